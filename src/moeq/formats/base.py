@@ -1,0 +1,109 @@
+"""Shared machinery for packed weights: tensor fields declared once, everything else derived.
+
+A packed weight is a frozen dataclass. Fields created with :func:`tensor_field` hold tensors; the rest is metadata
+(shape, dtype, bits, ...). ``to()``, ``tensors()``, ``nbytes`` and ``repr`` all derive from that declaration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Self
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def tensor_field(optional: bool = False) -> Any:
+    return dataclasses.field(default=None if optional else dataclasses.MISSING, metadata={"tensor": True})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str, where: str = "") -> torch.dtype:
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"{where}unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None
+
+
+def check_finite(w: torch.Tensor, name: str | None) -> None:
+    """Refuse NaN/Inf weights: they would silently poison every value sharing their scale."""
+    if not torch.isfinite(w).all():
+        bad = (~torch.isfinite(w)).sum().item()
+        raise ValueError(f"tensor {name or '<unnamed>'} has {bad} non-finite value(s) (NaN/Inf); refusing to quantize")
+
+
+def check_float(w: torch.Tensor, name: str | None) -> None:
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"tensor {name or '<unnamed>'}: expected a bf16/fp16/fp32 weight, got {w.dtype}")
+    if w.ndim < 1 or w.numel() == 0:
+        raise ValueError(f"tensor {name or '<unnamed>'}: empty or 0-d weight of shape {tuple(w.shape)}")
+
+
+def choice_error(what: str, value: Any, valid: Any) -> ValueError:
+    return ValueError(f"unsupported {what} {value!r}; valid choices: {list(valid)}")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class PackedWeight:
+    """Base of every quantized-weight dataclass. ``shape``/``dtype`` describe the original (logical) weight."""
+
+    format: ClassVar[str] = ""
+
+    @classmethod
+    def tensor_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("tensor"))
+
+    @classmethod
+    def meta_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("tensor"))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that make up this weight (optional ones omitted when absent)."""
+        return {n: t for n in self.tensor_names() if (t := getattr(self, n)) is not None}
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-able metadata; with :meth:`tensors` it fully reconstructs the weight via :meth:`from_parts`."""
+        out = {}
+        for n in self.meta_names():
+            v = getattr(self, n)
+            out[n] = dtype_name(v) if isinstance(v, torch.dtype) else list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_parts(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Self:
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("tensor"):
+                kw[f.name] = tensors.get(f.name)
+            elif f.name in meta:
+                v = meta[f.name]
+                kw[f.name] = parse_dtype(v) if f.name.endswith("dtype") else tuple(v) if isinstance(v, list) else v
+        return cls(**kw)
+
+    def to(self, device: torch.device | str) -> Self:
+        return dataclasses.replace(self, **{n: t.to(device) for n, t in self.tensors().items()})
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors().values())).device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)  # type: ignore[attr-defined]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / self.numel
+
+    def __repr__(self) -> str:
+        ts = ", ".join(f"{n}={tuple(t.shape)}:{dtype_name(t.dtype)}" for n, t in self.tensors().items())
+        ms = ", ".join(f"{n}={v}" for n, v in self.meta().items())
+        return f"{type(self).__name__}({ms}; {ts}; {self.bits_per_weight:.3f} bits/weight)"

@@ -1,0 +1,279 @@
+"""bitsandbytes-compatible 4-bit blockwise quantization (NF4/FP4, optional double quantization).
+
+Bit-identical with ``bitsandbytes.functional.quantize_4bit`` (whose CPU path is bitsandbytes' PyTorch reference):
+blocks of ``blocksize`` consecutive values of the flattened tensor, fp32 ``absmax`` per block, the value scaled by
+``1/absmax`` and mapped to the nearest code (ties to the lower code), two codes per byte with the EVEN element in the
+HIGH nibble. Double quantization subtracts the mean of the absmax values and quantizes them with bitsandbytes'
+signed dynamic 8-bit map in blocks of 256 (its reference kernel's arithmetic; bitsandbytes' native CPU library
+approximates that step and can differ by a code or so).
+
+Slices: a weight is made of ``slices`` equal, independent pieces of the flattened tensor (each its own blocks,
+absmax mean and nested blocks), exactly as if each were quantized by its own ``quantize_4bit`` call. An expert stack
+``[E, N, K]`` is quantized per expert by default (``slices=E``), as per-expert checkpoints store it; ``slices=1``
+treats the stack as one tensor. A fused ``w13`` holds ``2E`` slices (gate and up of each expert).
+
+Tensors: ``packed`` uint8 ``[S, ceil(n/2)]``; ``absmax`` fp32 ``[S, nb]`` (or uint8 codes with double quant);
+``offset`` fp32 ``[S]``, ``nested_absmax`` fp32 ``[S, ceil(nb/256)]``, ``nested_code`` fp32 ``[256]``;
+``code`` fp32 ``[16]``; ``n = numel/S`` and ``nb = ceil(n/blocksize)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import torch
+
+from moeq.formats.base import (
+    PackedWeight, check_finite, check_float, choice_error, dtype_name, parse_dtype, tensor_field,
+)
+from moeq.formats.codebooks import QUANT_TYPES, code4, dynamic_map
+
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+NESTED_BLOCKSIZE = 256
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Bnb4Weight(PackedWeight):
+    packed: torch.Tensor = tensor_field()  # uint8 [S, ceil(n/2)]
+    absmax: torch.Tensor = tensor_field()  # fp32 [S, nb] or uint8 [S, nb] (double quant)
+    code: torch.Tensor = tensor_field()  # fp32 [16]
+    offset: torch.Tensor | None = tensor_field(optional=True)  # fp32 [S]
+    nested_absmax: torch.Tensor | None = tensor_field(optional=True)  # fp32 [S, ceil(nb/256)]
+    nested_code: torch.Tensor | None = tensor_field(optional=True)  # fp32 [256]
+    quant_type: str = "nf4"
+    blocksize: int = 64
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.bfloat16
+
+    format = "bnb4"
+
+    @property
+    def slices(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def double_quant(self) -> bool:
+        return self.offset is not None
+
+    def slice(self, i: int | slice) -> Bnb4Weight:
+        """Slices ``i`` (an index or a range) as a weight of their own, sharing storage."""
+        s = slice(i, i + 1) if isinstance(i, int) else i
+        start, stop, _ = s.indices(self.slices)
+        per = self.numel // self.slices
+        count = stop - start
+        shape = (count * per,) if count != 1 else (per,)
+        return dataclasses.replace(
+            self, packed=self.packed[s], absmax=self.absmax[s],
+            offset=None if self.offset is None else self.offset[s],
+            nested_absmax=None if self.nested_absmax is None else self.nested_absmax[s], shape=shape,
+        )
+
+    def __getitem__(self, idx: int) -> Bnb4Weight:
+        """The weight at ``idx`` of the leading (expert) dim; needs slices aligned with that dim."""
+        lead = self.shape[0]
+        if self.slices % lead:
+            raise ValueError(f"cannot index a {self.slices}-slice bnb4 weight of shape {self.shape} by its first "
+                             f"dim: its statistics cross that dim (quantize per expert to index it)")
+        k = self.slices // lead
+        w = self.slice(slice(idx * k, (idx + 1) * k))
+        return dataclasses.replace(w, shape=self.shape[1:])
+
+    def resolved_absmax(self) -> torch.Tensor:
+        """fp32 ``[S, nb]`` absmax, undoing double quantization (as bitsandbytes' ``dequantize_4bit``)."""
+        if self.offset is None:
+            return self.absmax
+        s, nb = self.absmax.shape
+        nn_ = self.nested_absmax.shape[1]
+        vals = self.nested_code[self.absmax.long()]  # [S, nb]
+        vals = torch.nn.functional.pad(vals, (0, nn_ * NESTED_BLOCKSIZE - nb)).view(s, nn_, NESTED_BLOCKSIZE)
+        vals = (vals * self.nested_absmax.unsqueeze(-1)).view(s, -1)[:, :nb]
+        return vals + self.offset.unsqueeze(-1)
+
+    def codes(self) -> torch.Tensor:
+        """uint8 nibble codes ``[S, n]``."""
+        n = self.numel // self.slices
+        return torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten(-2)[:, :n]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        s = self.slices
+        n = self.numel // s
+        absmax = self.resolved_absmax()
+        nb = absmax.shape[1]
+        vals = self.code[self.codes().long()]  # fp32 [S, n]
+        if n != nb * self.blocksize:
+            vals = torch.nn.functional.pad(vals, (0, nb * self.blocksize - n))
+        out = (vals.view(s, nb, self.blocksize) * absmax.unsqueeze(-1)).view(s, -1)[:, :n]
+        return out.reshape(self.shape).to(dtype or self.dtype)
+
+    # ---- bitsandbytes / transformers serialization -------------------------------------------------------------
+    def quant_state_json(self) -> dict:
+        d = {"quant_type": self.quant_type, "blocksize": self.blocksize, "dtype": dtype_name(self.dtype),
+             "shape": list(self.shape)}
+        if self.offset is not None:
+            d.update(nested_blocksize=NESTED_BLOCKSIZE, nested_dtype="float32", nested_offset=self.offset.item())
+        return d
+
+    def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The exact keys a transformers+bitsandbytes checkpoint holds for one ``Linear4bit`` (``prefix`` ends
+        with the module name and a dot)."""
+        if self.slices != 1:
+            raise ValueError(f"a bnb state dict holds one tensor; this weight has {self.slices} slices: "
+                             "use .slice(i) or [expert] first")
+        sd = {
+            f"{prefix}weight": self.packed.reshape(-1, 1),
+            f"{prefix}weight.absmax": self.absmax.reshape(-1),
+            f"{prefix}weight.quant_map": self.code,
+        }
+        if self.offset is not None:
+            sd[f"{prefix}weight.nested_absmax"] = self.nested_absmax.reshape(-1)
+            sd[f"{prefix}weight.nested_quant_map"] = self.nested_code
+        blob = json.dumps(self.quant_state_json()).encode()
+        sd[f"{prefix}weight.quant_state.bitsandbytes__{self.quant_type}"] = torch.tensor(list(blob), dtype=torch.uint8)
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], prefix: str = "") -> Bnb4Weight:
+        """Inverse of :meth:`state_dict`; validates every piece and names the key at fault."""
+        key = f"{prefix}weight"
+        qs_keys = [k for k in sd if k.startswith(f"{key}.quant_state.bitsandbytes__")]
+        if not qs_keys:
+            raise ValueError(f"{key}: quant_state tensor (weight.quant_state.bitsandbytes__nf4|fp4) is missing")
+        qs_key = qs_keys[0]
+        try:
+            qs = json.loads(bytes(sd[qs_key].to(torch.uint8).tolist()).decode())
+            quant_type, blocksize = qs["quant_type"], int(qs["blocksize"])
+            shape, dtype = tuple(int(x) for x in qs["shape"]), parse_dtype(qs["dtype"], f"{qs_key}: ")
+        except ValueError as e:
+            if "unknown dtype" in str(e):
+                raise
+            raise ValueError(f"{qs_key}: quant_state JSON is unparsable: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{qs_key}: quant_state JSON lacks a field or is malformed: {e!r}") from None
+        if quant_type not in QUANT_TYPES:
+            raise ValueError(f"{qs_key}: unknown quant_type {quant_type!r}; valid: {list(QUANT_TYPES)}")
+        if blocksize not in BLOCKSIZES:
+            raise ValueError(f"{qs_key}: unsupported blocksize {blocksize}; valid: {list(BLOCKSIZES)}")
+        if qs_key.rsplit("__", 1)[1] != quant_type:
+            raise ValueError(f"{qs_key}: key says {qs_key.rsplit('__', 1)[1]} but its JSON says {quant_type}")
+        for k in (key, f"{key}.absmax"):
+            if k not in sd:
+                raise ValueError(f"{k}: missing from the checkpoint")
+        n = math.prod(shape)
+        nb = -(-n // blocksize)
+        packed = sd[key]
+        if packed.dtype != torch.uint8:
+            packed = packed.contiguous().view(torch.uint8)
+        if packed.numel() != (n + 1) // 2:
+            raise ValueError(f"{key}: packed size {packed.numel()} bytes does not match the declared shape "
+                             f"{list(shape)} ({(n + 1) // 2} bytes expected)")
+        absmax = sd[f"{key}.absmax"].reshape(-1)
+        if absmax.numel() != nb:
+            raise ValueError(f"{key}.absmax: {absmax.numel()} values, expected {nb} for shape {list(shape)} "
+                             f"and blocksize {blocksize}")
+        offset = nested_absmax = nested_code = None
+        if "nested_offset" in qs:
+            for k in (f"{key}.nested_absmax", f"{key}.nested_quant_map"):
+                if k not in sd:
+                    raise ValueError(f"{k}: missing although the quant_state declares double quantization")
+            if int(qs.get("nested_blocksize", NESTED_BLOCKSIZE)) != NESTED_BLOCKSIZE:
+                raise ValueError(f"{qs_key}: nested_blocksize {qs['nested_blocksize']} unsupported (only 256)")
+            offset = torch.tensor([float(qs["nested_offset"])], dtype=torch.float32)
+            nested_absmax = sd[f"{key}.nested_absmax"].float().reshape(1, -1)
+            if nested_absmax.shape[1] != -(-nb // NESTED_BLOCKSIZE):
+                raise ValueError(f"{key}.nested_absmax: {nested_absmax.shape[1]} values, expected "
+                                 f"{-(-nb // NESTED_BLOCKSIZE)}")
+            nested_code = sd[f"{key}.nested_quant_map"].float()
+            absmax = absmax.to(torch.uint8)
+        else:
+            absmax = absmax.float()
+        code = sd.get(f"{key}.quant_map", code4(quant_type)).float()
+        return cls(packed=packed.reshape(1, -1), absmax=absmax.reshape(1, -1), code=code, offset=offset,
+                   nested_absmax=nested_absmax, nested_code=nested_code, quant_type=quant_type,
+                   blocksize=blocksize, shape=shape, dtype=dtype)
+
+
+def _bounds(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    code = code4(quant_type)
+    order = torch.argsort(code)
+    return (code[order[:-1]] + code[order[1:]]) / 2, order
+
+
+def _blockwise_scaled(x: torch.Tensor, blocksize: int, clamp_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 ``[S, n]`` -> (scaled values in [-1, 1] ``[S, nb*blocksize]`` zero-padded, absmax ``[S, nb]``).
+
+    Full blocks are scaled by ``x * (1/absmax)``, a trailing partial block by ``x / absmax``: the exact arithmetic of
+    bitsandbytes' reference kernel. Its 4-bit kernel stores an all-zero trailing block's absmax as 1e-38
+    (``clamp_tail``); its native blockwise kernel, which makes the nested statistics, stores 0."""
+    s, n = x.shape
+    full = n // blocksize
+    rem = n - full * blocksize
+    head = x[:, : full * blocksize].reshape(s, full, blocksize)
+    absmax = head.abs().amax(-1)
+    scaled = torch.clamp(head * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1), -1, 1).reshape(s, -1)
+    if rem:
+        tail = x[:, full * blocksize:]
+        am_raw = tail.abs().amax(-1, keepdim=True)
+        am = am_raw.clamp(min=1e-38)
+        absmax = torch.cat([absmax, am if clamp_tail else am_raw], dim=1)
+        tail_scaled = torch.nn.functional.pad(torch.clamp(tail / am, -1, 1), (0, blocksize - rem))
+        scaled = torch.cat([scaled, tail_scaled], dim=1)
+    return scaled, absmax
+
+
+def quantize_blockwise8(x: torch.Tensor, code: torch.Tensor, blocksize: int = NESTED_BLOCKSIZE):
+    """Nearest-code 8-bit blockwise quantization of fp32 ``[S, n]`` (bitsandbytes' reference arithmetic)."""
+    n = x.shape[1]
+    scaled, absmax = _blockwise_scaled(x, blocksize, clamp_tail=False)
+    q = torch.bucketize(scaled, (code[:-1] + code[1:]) / 2).to(torch.uint8)
+    return q[:, :n], absmax
+
+
+def _chunks(total: int, per_item: int, target: int = 1 << 24):
+    step = max(1, target // max(per_item, 1))
+    for start in range(0, total, step):
+        yield start, min(total, start + step)
+
+
+def quantize(
+    w: torch.Tensor,
+    quant_type: str = "nf4",
+    blocksize: int = 64,
+    double_quant: bool = True,
+    slices: int | None = None,
+    name: str | None = None,
+) -> Bnb4Weight:
+    """Quantize ``w`` like ``bitsandbytes.functional.quantize_4bit(w_slice, blocksize, compress_statistics=
+    double_quant, quant_type)`` for each of ``slices`` equal pieces (default: per leading index for ndim >= 3)."""
+    if quant_type not in QUANT_TYPES:
+        raise choice_error("quant_type", quant_type, QUANT_TYPES)
+    if blocksize not in BLOCKSIZES:
+        raise choice_error("blocksize", blocksize, BLOCKSIZES)
+    check_float(w, name)
+    check_finite(w, name)
+    if slices is None:
+        slices = w.shape[0] if w.ndim >= 3 else 1
+    if slices < 1 or w.numel() % slices:
+        raise ValueError(f"tensor {name or '<unnamed>'}: {w.numel()} values cannot be split in {slices} slices")
+    n = w.numel() // slices
+    nb = -(-n // blocksize)
+    bounds, order = _bounds(quant_type)
+    x = w.reshape(slices, n)
+    packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8)
+    absmax = torch.empty(slices, nb, dtype=torch.float32)
+    for a, b in _chunks(slices, n):  # bounded temporaries for big stacks
+        scaled, am = _blockwise_scaled(x[a:b].float(), blocksize)
+        q = torch.bucketize(scaled[:, : n + (n & 1)], bounds, out_int32=True)  # pad element (0.0) kept if n odd
+        if quant_type != "nf4":
+            q = order[q]
+        q = q.to(torch.uint8)
+        packed[a:b] = (q[:, 0::2] << 4) | q[:, 1::2]
+        absmax[a:b] = am
+    offset = nested_absmax = nested_code = None
+    if double_quant:
+        offset = absmax.mean(dim=1)
+        nested_code = dynamic_map()
+        absmax, nested_absmax = quantize_blockwise8(absmax - offset.unsqueeze(-1), nested_code)
+    return Bnb4Weight(packed=packed, absmax=absmax, code=code4(quant_type), offset=offset,
+                      nested_absmax=nested_absmax, nested_code=nested_code, quant_type=quant_type,
+                      blocksize=blocksize, shape=tuple(w.shape), dtype=w.dtype)

@@ -1,0 +1,40 @@
+"""Code tables of bitsandbytes' formats, built the same way bitsandbytes builds them (bit-identical fp32 values)."""
+from __future__ import annotations
+
+import torch
+
+NF4 = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
+QUANT_TYPES = ("nf4", "fp4")
+
+
+def code4(quant_type: str) -> torch.Tensor:
+    """The 16-entry fp32 code of ``quant_type`` (index = stored nibble)."""
+    data = torch.tensor(NF4 if quant_type == "nf4" else FP4, dtype=torch.float32)
+    return data / data.abs().max()
+
+
+def dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map, used for double-quantized absmax (sorted, 256 fp32 values)."""
+    data: list[float] = []
+    non_sign_bits = total_bits - 1
+    additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        items = int(2 ** (i + non_sign_bits - max_exponent_bits) + 1)
+        bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        scale = 10 ** (-(max_exponent_bits - 1) + i)
+        data += (scale * means).tolist() + (-scale * means).tolist()
+    if additional_items > 0:
+        bounds = torch.linspace(0.1, 1, additional_items + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        scale = 10 ** (-(max_exponent_bits - 1) + max_exponent_bits - 1)
+        data += (scale * means).tolist() + (-scale * means).tolist()
+    data += [0.0, 1.0]
+    data += [0.0] * (256 - len(data))
+    data.sort()
+    return torch.tensor(data, dtype=torch.float32)

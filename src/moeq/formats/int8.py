@@ -1,0 +1,65 @@
+"""LLM.int8 row-wise weights, bit-identical with bitsandbytes' ``Int8Params`` quantization.
+
+``weight`` int8 ``[..., N, K] = round(W_fp16 * (127 / row_absmax))`` and ``scb`` fp32 ``[..., N]`` (bitsandbytes'
+``SCB``); dequantization is ``weight * scb * (1/127)``. bitsandbytes casts the weight to fp16 first; so do we.
+An all-zero row gets ``scb = 0`` and zero codes (bitsandbytes would produce undefined codes there).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeq.formats.base import PackedWeight, check_finite, check_float, tensor_field
+
+INV127 = 7.874015718698502e-3  # bitsandbytes' reciprocal of 127
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Int8Weight(PackedWeight):
+    weight: torch.Tensor = tensor_field()  # int8 [..., N, K]
+    scb: torch.Tensor = tensor_field()  # fp32 [..., N]
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.bfloat16
+    format = "int8"
+
+    def __getitem__(self, idx: int) -> Int8Weight:
+        return dataclasses.replace(self, weight=self.weight[idx], scb=self.scb[idx], shape=self.shape[1:])
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (self.weight * self.scb.unsqueeze(-1) * INV127).to(dtype or self.dtype)
+
+    def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """transformers+bitsandbytes ``Linear8bitLt`` keys (2-D weights only)."""
+        if self.weight.ndim != 2:
+            raise ValueError(f"a bnb int8 state dict holds a 2-D weight; got shape {self.shape}: index [expert] first")
+        return {f"{prefix}weight": self.weight, f"{prefix}SCB": self.scb,
+                f"{prefix}weight_format": torch.tensor(0, dtype=torch.uint8)}
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], prefix: str = "",
+                        dtype: torch.dtype = torch.bfloat16) -> Int8Weight:
+        w, scb = sd.get(f"{prefix}weight"), sd.get(f"{prefix}SCB")
+        if w is None or scb is None:
+            missing = [k for k in (f"{prefix}weight", f"{prefix}SCB") if sd.get(k) is None]
+            raise ValueError(f"int8 weight: missing {missing}")
+        if w.dtype != torch.int8:
+            raise ValueError(f"{prefix}weight: expected int8, got {w.dtype}")
+        if scb.shape != w.shape[:-1]:
+            raise ValueError(f"{prefix}SCB: shape {tuple(scb.shape)} does not match weight rows {tuple(w.shape[:-1])}")
+        fmt = sd.get(f"{prefix}weight_format")
+        if fmt is not None and int(fmt.reshape(-1)[0]) != 0:
+            raise ValueError(f"{prefix}weight_format: only row-major (0) is supported, got {int(fmt.reshape(-1)[0])}")
+        return cls(weight=w, scb=scb.float(), shape=tuple(w.shape), dtype=dtype)
+
+
+def quantize(w: torch.Tensor, name: str | None = None) -> Int8Weight:
+    check_float(w, name)
+    check_finite(w, name)
+    b = w.to(torch.float16)
+    if not torch.isfinite(b).all():
+        raise ValueError(f"tensor {name or '<unnamed>'} overflows fp16 (|w| > 65504), which LLM.int8 requires")
+    scb = b.abs().amax(-1).float()
+    safe = torch.where(scb == 0, 1.0, scb)
+    q = torch.round(b * (127.0 / safe).unsqueeze(-1)).to(torch.int8)
+    return Int8Weight(weight=q, scb=scb, shape=tuple(w.shape), dtype=w.dtype)

@@ -1,0 +1,64 @@
+"""Bit packing of unsigned integer codes along the last dimension (pure functions, any leading dims).
+
+Layouts (codes ``c[k]`` along the last dim, all little-endian / least-significant first):
+- 8 bits: one code per byte.
+- 4 bits: ``byte[j] = c[2j] | c[2j+1] << 4`` (even index in the LOW nibble, as vLLM's RTN).
+- 2 bits: ``byte[j] = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6``.
+- 3 bits: eight codes form a 24-bit word ``sum(c[8j+i] << 3i)`` stored as three bytes, low byte first.
+The last dim must be a multiple of ``codes_per_unit(bits)`` (1, 2, 4 or 8).
+"""
+from __future__ import annotations
+
+import torch
+
+from moeq.formats.base import choice_error
+
+PACK_BITS = (2, 3, 4, 8)
+
+
+def codes_per_unit(bits: int) -> int:
+    """How many codes share one packed unit (a byte, or 3 bytes for 3-bit)."""
+    return {2: 4, 3: 8, 4: 2, 8: 1}[bits]
+
+
+def packed_size(k: int, bits: int) -> int:
+    return {2: k // 4, 3: k // 8 * 3, 4: k // 2, 8: k}[bits]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., K]`` (values < 2**bits) -> packed uint8 ``[..., packed_size(K, bits)]``."""
+    if bits not in PACK_BITS:
+        raise choice_error("bit width", bits, PACK_BITS)
+    k = codes.shape[-1]
+    n = codes_per_unit(bits)
+    if k % n:
+        raise ValueError(f"{bits}-bit packing needs the last dim to be a multiple of {n}, got {k}")
+    if bits == 8:
+        return codes.to(torch.uint8)
+    c = codes.to(torch.uint8).unflatten(-1, (k // n, n))  # [..., K/n, n]
+    if bits == 4:
+        return c[..., 0] | (c[..., 1] << 4)
+    if bits == 2:
+        return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    # 3-bit: 8 codes -> 24-bit word -> 3 bytes
+    w = c.to(torch.int32)
+    word = w[..., 0]
+    for i in range(1, 8):
+        word = word | (w[..., i] << (3 * i))
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)  # [..., K/8, 3]
+    return out.to(torch.uint8).flatten(-2)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: packed uint8 ``[..., P]`` -> uint8 codes ``[..., K]``."""
+    if bits not in PACK_BITS:
+        raise choice_error("bit width", bits, PACK_BITS)
+    if bits == 8:
+        return packed
+    if bits == 4:
+        return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+    if bits == 2:
+        return torch.stack([(packed >> s) & 0x3 for s in (0, 2, 4, 6)], dim=-1).flatten(-2)
+    b = packed.unflatten(-1, (-1, 3)).to(torch.int32)  # [..., K/8, 3]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    return torch.stack([(word >> (3 * i)) & 0x7 for i in range(8)], dim=-1).flatten(-2).to(torch.uint8)

@@ -1,0 +1,137 @@
+"""Round-to-nearest group-wise integer quantization (vLLM's RTN layout and math, plus better grids).
+
+Groups are consecutive runs of ``group_size`` values along the last (input) dim; leading dims are rows/experts.
+
+Storage (same for every grid, so the same kernels serve all of them):
+- ``qdata`` uint8 ``[..., N, packed_size(K)]``: codes packed by :mod:`moeq.formats.packing`
+  (4-bit: even index in the LOW nibble, exactly vLLM's ``rtn_quantize`` bytes).
+- ``scale`` ``[..., N, K // group_size]`` in the weight's dtype.
+- ``zero`` uint8 ``[..., N, K // group_size]`` for asymmetric grids, else None (implicit ``2**(bits-1)``).
+Dequantization: ``(q - zero) * scale``.
+
+Grids:
+- ``"vllm"`` (symmetric default): ``scale = absmax*2/(2**b-1)`` computed in the weight's dtype, exactly as vLLM.
+  It reconstructs a group's positive max at ~0.933*absmax (4-bit) and never uses code 0.
+- ``"signed"`` (symmetric): ``scale = -signed_absmax / 2**(b-1)``; the largest-magnitude value lands exactly on code 0
+  and the step is 2**(b-1)/(2**b-1)*2 = ~6% finer at 4 bits. Same storage; the scale may be negative.
+- asymmetric (``symmetric=False``): min/max (widened to include 0) over ``2**b-1`` steps with an integer zero point.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeq.formats.base import PackedWeight, check_finite, check_float, choice_error, tensor_field
+from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
+
+BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128, 256, -1)
+GRIDS = ("vllm", "signed")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class RTNWeight(PackedWeight):
+    qdata: torch.Tensor = tensor_field()  # uint8 [..., N, packed K]
+    scale: torch.Tensor = tensor_field()  # [..., N, G] weight dtype
+    zero: torch.Tensor | None = tensor_field(optional=True)  # uint8 [..., N, G] (asymmetric only)
+    bits: int = 4
+    group_size: int = 128
+    grid: str = "vllm"  # "vllm" | "signed" | "asym"
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.bfloat16
+    format = "rtn"
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    def __getitem__(self, idx: int) -> RTNWeight:
+        """The weight of one index along the leading (expert) dim, as views."""
+        z = None if self.zero is None else self.zero[idx]
+        return dataclasses.replace(self, qdata=self.qdata[idx], scale=self.scale[idx], zero=z, shape=self.shape[1:])
+
+    def codes(self) -> torch.Tensor:
+        return unpack(self.qdata, self.bits)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        k = self.shape[-1]
+        gs = k if self.group_size == -1 else self.group_size
+        q = self.codes().unflatten(-1, (k // gs, gs)).float()  # [..., N, G, gs]
+        z = float(1 << (self.bits - 1)) if self.zero is None else self.zero.float().unsqueeze(-1)
+        w = (q - z) * self.scale.float().unsqueeze(-1)
+        return w.flatten(-2).to(dtype or self.dtype)
+
+
+def _groups(w: torch.Tensor, group_size: int, name: str | None) -> tuple[torch.Tensor, int]:
+    k = w.shape[-1]
+    gs = k if group_size == -1 else group_size
+    if k % gs:
+        raise ValueError(
+            f"tensor {name or '<unnamed>'}: last dim {k} is not divisible by group_size {group_size}; "
+            f"use a group size dividing {k} or group_size=-1 (one group per row)"
+        )
+    return w.unflatten(-1, (k // gs, gs)), gs  # [..., N, G, gs]
+
+
+def quantize(
+    w: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    symmetric: bool = True,
+    grid: str = "vllm",
+    name: str | None = None,
+) -> RTNWeight:
+    """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors."""
+    if bits not in BITS:
+        raise choice_error("RTN bits", bits, BITS)
+    if group_size not in GROUP_SIZES:
+        raise choice_error("RTN group_size", group_size, GROUP_SIZES)
+    if grid not in GRIDS:
+        raise choice_error("RTN grid", grid, GRIDS)
+    check_float(w, name)
+    check_finite(w, name)
+    if w.shape[-1] % codes_per_unit(bits):
+        raise ValueError(f"tensor {name or '<unnamed>'}: last dim {w.shape[-1]} must be a multiple of "
+                         f"{codes_per_unit(bits)} for {bits}-bit packing")
+    g, _ = _groups(w, group_size, name)
+    maxq = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    zero = None
+    if not symmetric:
+        gf = g.float()
+        lo = gf.amin(-1, keepdim=True).clamp(max=0)
+        hi = gf.amax(-1, keepdim=True).clamp(min=0)
+        scale = ((hi - lo) / maxq).to(w.dtype)
+        s = scale.float()
+        s = torch.where(s == 0, 1.0, s)
+        zero_f = (-lo / s).round().clamp(0, maxq)
+        q = ((gf / s).round() + zero_f).clamp(0, maxq)
+        zero = zero_f.squeeze(-1).to(torch.uint8)
+    elif grid == "vllm":
+        # Exactly vLLM's arithmetic, in the weight's own dtype.
+        scale = g.abs().amax(-1, keepdim=True) * 2.0 / maxq
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)  # all-zero group -> code `half` -> exact 0
+        q = ((g / safe).round() + half).clamp(0, maxq)
+    else:
+        idx = g.abs().argmax(-1, keepdim=True)
+        peak = g.gather(-1, idx).float()
+        scale = (-peak / half).to(w.dtype)
+        s = scale.float()
+        s = torch.where(s == 0, 1.0, s)
+        q = ((g.float() / s).round() + half).clamp(0, maxq)
+    codes = q.to(torch.uint8).flatten(-2)
+    return RTNWeight(
+        qdata=pack(codes, bits),
+        scale=scale.squeeze(-1).contiguous(),
+        zero=zero,
+        bits=bits,
+        group_size=group_size,
+        grid="asym" if not symmetric else grid,
+        shape=tuple(w.shape),
+        dtype=w.dtype,
+    )
+
+
+def expected_qdata_shape(shape: tuple[int, ...], bits: int) -> tuple[int, ...]:
+    return (*shape[:-1], packed_size(shape[-1], bits))
