@@ -43,6 +43,13 @@ def check_float(w: torch.Tensor, name: str | None) -> None:
         raise ValueError(f"tensor {name or '<unnamed>'}: empty or 0-d weight of shape {tuple(w.shape)}")
 
 
+def row_chunks(rows: int, row_len: int, target: int = 1 << 18):
+    """Ranges of rows holding about ``target`` elements: work on cache-sized pieces, bounded temporaries."""
+    step = max(1, target // max(row_len, 1))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
 def choice_error(what: str, value: Any, valid: Any) -> ValueError:
     return ValueError(f"unsupported {what} {value!r}; valid choices: {list(valid)}")
 

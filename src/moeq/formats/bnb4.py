@@ -25,7 +25,7 @@ import math
 import torch
 
 from moeq.formats.base import (
-    PackedWeight, check_finite, check_float, choice_error, dtype_name, parse_dtype, tensor_field,
+    PackedWeight, check_finite, check_float, choice_error, dtype_name, parse_dtype, row_chunks, tensor_field,
 )
 from moeq.formats.codebooks import QUANT_TYPES, code4, dynamic_map
 
@@ -96,15 +96,25 @@ class Bnb4Weight(PackedWeight):
         return torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten(-2)[:, :n]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Values computed in fp32, then cast (as bitsandbytes does)."""
         s = self.slices
         n = self.numel // s
+        bs = self.blocksize
         absmax = self.resolved_absmax()
         nb = absmax.shape[1]
-        vals = self.code[self.codes().long()]  # fp32 [S, n]
-        if n != nb * self.blocksize:
-            vals = torch.nn.functional.pad(vals, (0, nb * self.blocksize - n))
-        out = (vals.view(s, nb, self.blocksize) * absmax.unsqueeze(-1)).view(s, -1)[:, :n]
-        return out.reshape(self.shape).to(dtype or self.dtype)
+        dtype = dtype or self.dtype
+        table = _pair_table(self.code.float()).to(self.packed.device)
+        if n % bs == 0:
+            pb, ab = self.packed.reshape(-1, bs // 2), absmax.reshape(-1, 1)
+            out = torch.empty(pb.shape[0], bs, dtype=dtype, device=pb.device)
+            for a, b in row_chunks(pb.shape[0], bs):
+                vals = torch.index_select(table, 0, pb[a:b].reshape(-1).int()).view(b - a, bs)
+                out[a:b] = vals * ab[a:b]
+            return out.reshape(self.shape)
+        vals = torch.index_select(table, 0, self.packed.reshape(-1).int()).view(s, -1)[:, :n]  # fp32 [S, n]
+        vals = torch.nn.functional.pad(vals, (0, nb * bs - n))
+        out = (vals.view(s, nb, bs) * absmax.unsqueeze(-1)).view(s, -1)[:, :n]
+        return out.reshape(self.shape).to(dtype)
 
     # ---- bitsandbytes / transformers serialization -------------------------------------------------------------
     def quant_state_json(self) -> dict:
@@ -229,10 +239,19 @@ def quantize_blockwise8(x: torch.Tensor, code: torch.Tensor, blocksize: int = NE
     return q[:, :n], absmax
 
 
-def _chunks(total: int, per_item: int, target: int = 1 << 24):
-    step = max(1, target // max(per_item, 1))
-    for start in range(0, total, step):
-        yield start, min(total, start + step)
+def _codes_packed(scaled: torch.Tensor, bounds: torch.Tensor, order: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """Scaled values ``[R, 2m]`` -> packed bytes ``[R, m]`` (nearest code, ties low; even element HIGH nibble)."""
+    q = torch.bucketize(scaled, bounds, out_int32=True)
+    if quant_type != "nf4":
+        q = order[q]
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
+def _pair_table(code: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[256, 2]``: the two decoded values (high nibble, low nibble) of every byte."""
+    b = torch.arange(256)
+    return torch.stack([code[b >> 4], code[b & 0xF]], dim=-1)
 
 
 def quantize(
@@ -258,17 +277,20 @@ def quantize(
     n = w.numel() // slices
     nb = -(-n // blocksize)
     bounds, order = _bounds(quant_type)
-    x = w.reshape(slices, n)
-    packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8)
-    absmax = torch.empty(slices, nb, dtype=torch.float32)
-    for a, b in _chunks(slices, n):  # bounded temporaries for big stacks
-        scaled, am = _blockwise_scaled(x[a:b].float(), blocksize)
-        q = torch.bucketize(scaled[:, : n + (n & 1)], bounds, out_int32=True)  # pad element (0.0) kept if n odd
-        if quant_type != "nf4":
-            q = order[q]
-        q = q.to(torch.uint8)
-        packed[a:b] = (q[:, 0::2] << 4) | q[:, 1::2]
-        absmax[a:b] = am
+    packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8, device=w.device)
+    absmax = torch.empty(slices, nb, dtype=torch.float32, device=w.device)
+    if n % blocksize == 0:  # common case: every slice is whole blocks -> work on cache-sized runs of blocks
+        blocks, pb, ab = w.reshape(-1, blocksize), packed.view(-1, blocksize // 2), absmax.view(-1)
+        for a, b in row_chunks(blocks.shape[0], blocksize):
+            scaled, am = _blockwise_scaled(blocks[a:b].float(), blocksize)
+            pb[a:b] = _codes_packed(scaled, bounds, order, quant_type)
+            ab[a:b] = am.view(-1)
+    else:
+        x = w.reshape(slices, n)
+        for a, b in row_chunks(slices, n):
+            scaled, am = _blockwise_scaled(x[a:b].float(), blocksize)
+            packed[a:b] = _codes_packed(scaled[:, : n + (n & 1)], bounds, order, quant_type)  # odd n: pad code 0.0
+            absmax[a:b] = am
     offset = nested_absmax = nested_code = None
     if double_quant:
         offset = absmax.mean(dim=1)

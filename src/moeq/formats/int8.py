@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from moeq.formats.base import PackedWeight, check_finite, check_float, tensor_field
+from moeq.formats.base import PackedWeight, check_finite, check_float, row_chunks, tensor_field
 
 INV127 = 7.874015718698502e-3  # bitsandbytes' reciprocal of 127
 
@@ -27,7 +27,12 @@ class Int8Weight(PackedWeight):
         return dataclasses.replace(self, weight=self.weight[idx], scb=self.scb[idx], shape=self.shape[1:])
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return (self.weight * self.scb.unsqueeze(-1) * INV127).to(dtype or self.dtype)
+        k = self.shape[-1]
+        w, s = self.weight.reshape(-1, k), self.scb.reshape(-1, 1)
+        out = torch.empty(w.shape, dtype=dtype or self.dtype, device=w.device)
+        for a, b in row_chunks(w.shape[0], k):
+            out[a:b] = w[a:b] * s[a:b] * INV127
+        return out.reshape(self.shape)
 
     def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """transformers+bitsandbytes ``Linear8bitLt`` keys (2-D weights only)."""
@@ -56,10 +61,16 @@ class Int8Weight(PackedWeight):
 def quantize(w: torch.Tensor, name: str | None = None) -> Int8Weight:
     check_float(w, name)
     check_finite(w, name)
-    b = w.to(torch.float16)
-    if not torch.isfinite(b).all():
-        raise ValueError(f"tensor {name or '<unnamed>'} overflows fp16 (|w| > 65504), which LLM.int8 requires")
-    scb = b.abs().amax(-1).float()
-    safe = torch.where(scb == 0, 1.0, scb)
-    q = torch.round(b * (127.0 / safe).unsqueeze(-1)).to(torch.int8)
-    return Int8Weight(weight=q, scb=scb, shape=tuple(w.shape), dtype=w.dtype)
+    k = w.shape[-1]
+    rows = w.reshape(-1, k)
+    q = torch.empty(rows.shape, dtype=torch.int8, device=w.device)
+    scb = torch.empty(rows.shape[0], dtype=torch.float32, device=w.device)
+    for a, c in row_chunks(rows.shape[0], k):
+        b = rows[a:c].to(torch.float16)
+        if not torch.isfinite(b).all():
+            raise ValueError(f"tensor {name or '<unnamed>'} overflows fp16 (|w| > 65504), which LLM.int8 requires")
+        s = b.abs().amax(-1).float()
+        safe = torch.where(s == 0, 1.0, s)
+        q[a:c] = torch.round(b * (127.0 / safe).unsqueeze(-1))
+        scb[a:c] = s
+    return Int8Weight(weight=q.reshape(w.shape), scb=scb.reshape(w.shape[:-1]), shape=tuple(w.shape), dtype=w.dtype)

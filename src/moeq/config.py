@@ -1,0 +1,195 @@
+"""Typed quantization configs: one frozen dataclass per format, plus rules that map modules to formats.
+
+Every config has ``version`` and a ``to_dict``/``from_dict`` round trip; that dict is what a saved checkpoint's
+``quantization_config`` holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, ClassVar
+
+import torch
+
+from moeq.formats import PackedWeight, bnb4, int8, rtn
+
+FORMAT_CONFIGS: dict[str, type[FormatConfig]] = {}
+
+
+def register(cls):
+    FORMAT_CONFIGS[cls.name] = cls
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatConfig:
+    name: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+
+    def quantize(self, w: torch.Tensor, name: str | None = None, slices: int | None = None) -> PackedWeight | None:
+        """Quantize ``w`` (any leading dims); None means "keep in the compute dtype"."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.name, "version": self.version, **dataclasses.asdict(self)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> FormatConfig:
+        d = dict(d)
+        name = d.pop("format", None)
+        d.pop("version", None)
+        if name not in FORMAT_CONFIGS:
+            raise ValueError(f"unknown format {name!r}; valid: {sorted(FORMAT_CONFIGS)}")
+        return FORMAT_CONFIGS[name](**d)
+
+    def label(self) -> str:
+        return self.name
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class RTN(FormatConfig):
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    grid: str = "vllm"
+    name: ClassVar[str] = "rtn"
+
+    def __post_init__(self):
+        if self.bits not in rtn.BITS:
+            raise ValueError(f"unsupported RTN bits {self.bits}; valid choices: {list(rtn.BITS)}")
+        if self.group_size not in rtn.GROUP_SIZES:
+            raise ValueError(f"unsupported RTN group_size {self.group_size}; valid choices: {list(rtn.GROUP_SIZES)}")
+
+    def quantize(self, w, name=None, slices=None):
+        return rtn.quantize(w, self.bits, self.group_size, self.symmetric, self.grid, name=name)
+
+    def label(self) -> str:
+        kind = "asym" if not self.symmetric else ("" if self.grid == "vllm" else self.grid)
+        return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}"
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class BNB4(FormatConfig):
+    quant_type: str = "nf4"
+    blocksize: int = 64
+    double_quant: bool = True
+    name: ClassVar[str] = "bnb4"
+
+    def __post_init__(self):
+        if self.quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"unsupported quant_type {self.quant_type!r}; valid choices: ['nf4', 'fp4']")
+        if self.blocksize not in bnb4.BLOCKSIZES:
+            raise ValueError(f"unsupported blocksize {self.blocksize}; valid choices: {list(bnb4.BLOCKSIZES)}")
+
+    def quantize(self, w, name=None, slices=None):
+        return bnb4.quantize(w, self.quant_type, self.blocksize, self.double_quant, slices=slices, name=name)
+
+    def label(self) -> str:
+        return f"{self.quant_type}-b{self.blocksize}{'-dq' if self.double_quant else ''}"
+
+
+def NF4(blocksize: int = 64, double_quant: bool = True) -> BNB4:
+    return BNB4("nf4", blocksize, double_quant)
+
+
+def FP4(blocksize: int = 64, double_quant: bool = True) -> BNB4:
+    return BNB4("fp4", blocksize, double_quant)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Int8(FormatConfig):
+    name: ClassVar[str] = "int8"
+
+    def quantize(self, w, name=None, slices=None):
+        return int8.quantize(w, name=name)
+
+    def label(self) -> str:
+        return "llm-int8"
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Keep(FormatConfig):
+    """Leave the module in the compute dtype."""
+    name: ClassVar[str] = "none"
+
+    def quantize(self, w, name=None, slices=None):
+        return None
+
+    def label(self) -> str:
+        return "none"
+
+
+METHODS: dict[str, FormatConfig] = {
+    "rtn-int4": RTN(4, 128),
+    "rtn-int4-asym": RTN(4, 128, symmetric=False),
+    "rtn-int4-signed": RTN(4, 128, grid="signed"),
+    "rtn-int8": RTN(8, 128),
+    "rtn-int3": RTN(3, 64, symmetric=False),
+    "rtn-int2": RTN(2, 32, symmetric=False),
+    "nf4": NF4(),
+    "fp4": FP4(),
+    "int8": Int8(),
+    "none": Keep(),
+}
+
+
+def method(name: str, group_size: int | None = None) -> FormatConfig:
+    """A named preset (``rtn-int4``, ``nf4``, ...); ``group_size`` overrides RTN group / bnb block size."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid: {sorted(METHODS)}")
+    cfg = METHODS[name]
+    if group_size is not None:
+        if isinstance(cfg, RTN):
+            cfg = dataclasses.replace(cfg, group_size=group_size)
+        elif isinstance(cfg, BNB4):
+            cfg = dataclasses.replace(cfg, blocksize=group_size)
+    return cfg
+
+
+# Default policy: quantize experts, attention projections and shared-expert MLPs; keep routers, shared-expert
+# gates, norms, embeddings and lm_head in the compute dtype. First matching rule wins; user rules come first.
+DEFAULT_KEEP = ("lm_head", "*.gate", "*.router", "*.router.*", "*shared_expert_gate*", "*.mamba.*", "*.mixer.*",
+                "*embed*", "*.norm", "*norm*")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """What to quantize how: ``default`` for every quantizable module, ``rules`` (glob on the module name, first
+    match wins) override it, then the keep-list of the default policy applies."""
+
+    default: FormatConfig = dataclasses.field(default_factory=lambda: RTN())
+    rules: tuple[tuple[str, FormatConfig], ...] = ()
+    version: ClassVar[int] = 1
+
+    def __post_init__(self):
+        if isinstance(self.rules, dict):
+            object.__setattr__(self, "rules", tuple(self.rules.items()))
+
+    @staticmethod
+    def of(cfg: QuantConfig | FormatConfig | str) -> QuantConfig:
+        if isinstance(cfg, QuantConfig):
+            return cfg
+        if isinstance(cfg, str):
+            return QuantConfig(method(cfg))
+        return QuantConfig(cfg)
+
+    def for_module(self, name: str) -> FormatConfig:
+        for pattern, cfg in self.rules:
+            if fnmatch.fnmatchcase(name, pattern):
+                return cfg
+        if any(fnmatch.fnmatchcase(name, p) for p in DEFAULT_KEEP):
+            return Keep()
+        return self.default
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "default": self.default.to_dict(),
+                "rules": [[p, c.to_dict()] for p, c in self.rules]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> QuantConfig:
+        return QuantConfig(FormatConfig.from_dict(d["default"]),
+                           tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("rules", [])))
