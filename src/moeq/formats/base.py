@@ -91,6 +91,30 @@ class PackedWeight:
                 kw[f.name] = parse_dtype(v) if f.name.endswith("dtype") else tuple(v) if isinstance(v, list) else v
         return cls(**kw)
 
+    @classmethod
+    def join(cls, groups: list[list[Self]]) -> Self:
+        """Stack ``E`` groups of 2-D pieces ``[N_j, K]`` into one ``[E, sum N_j, K]`` weight (e.g. gate and up of
+        each expert into ``w13``). Row-indexed formats concatenate rows; bnb4 concatenates its slices."""
+        first = groups[0][0]
+        for g in groups:
+            for p in g:
+                if p.meta() | {"shape": None} != first.meta() | {"shape": None} or len(p.shape) != 2:
+                    raise ValueError(f"cannot join {type(p).__name__} pieces with different settings: "
+                                     f"{p.meta()} vs {first.meta()}")
+        rows = [sum(p.shape[0] for p in g) for g in groups]
+        if len(set(rows)) != 1 or len({p.shape[1] for g in groups for p in g}) != 1:
+            raise ValueError(f"cannot join pieces of uneven shapes: {[[p.shape for p in g] for g in groups]}")
+        return cls._join(groups, (len(groups), rows[0], first.shape[1]))
+
+    @classmethod
+    def _join(cls, groups: list[list[Self]], shape: tuple[int, ...]) -> Self:
+        tensors = {}
+        for n in cls.tensor_names():
+            if getattr(groups[0][0], n) is None:
+                continue
+            tensors[n] = torch.stack([torch.cat([getattr(p, n) for p in g], 0) for g in groups])
+        return dataclasses.replace(groups[0][0], **tensors, shape=shape)
+
     def to(self, device: torch.device | str) -> Self:
         return dataclasses.replace(self, **{n: t.to(device) for n, t in self.tensors().items()})
 

@@ -79,6 +79,17 @@ class Bnb4Weight(PackedWeight):
         w = self.slice(slice(idx * k, (idx + 1) * k))
         return dataclasses.replace(w, shape=self.shape[1:])
 
+    @classmethod
+    def _join(cls, groups: list[list[Bnb4Weight]], shape: tuple[int, ...]) -> Bnb4Weight:
+        pieces = [p for g in groups for p in g]
+        if len({p.numel // p.slices for p in pieces}) != 1:
+            raise ValueError("bnb4 pieces must all hold equal-size slices to be joined (e.g. gate and up of equal "
+                             f"shape); got {[p.shape for p in pieces]}")
+        per_slice = ("packed", "absmax", "offset", "nested_absmax")
+        tensors = {n: torch.cat([getattr(p, n) for p in pieces], 0) for n in per_slice
+                   if getattr(pieces[0], n) is not None}
+        return dataclasses.replace(pieces[0], **tensors, shape=shape)
+
     def resolved_absmax(self) -> torch.Tensor:
         """fp32 ``[S, nb]`` absmax, undoing double quantization (as bitsandbytes' ``dequantize_4bit``)."""
         if self.offset is None:

@@ -1,0 +1,120 @@
+"""The public verbs: ``quantize_`` (in memory), ``save`` (atomic) and ``inspect`` (what is quantized how)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moeq.arch import get_arch
+from moeq.config import FormatConfig, QuantConfig
+from moeq.convert import ExpertsBuilder, activation_for, is_experts, quantize_linear, set_module
+from moeq.formats import PackedWeight
+from moeq.io.writer import atomic_dir, write_shards
+from moeq.loader import quantization_config
+from moeq.nn import QuantExperts, QuantLinear
+from moeq.nn.packed import get_packed
+
+log = logging.getLogger(__name__)
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+@torch.no_grad()
+def quantize_(model: nn.Module, config: QuantConfig | FormatConfig | str) -> nn.Module:
+    """Quantize a transformers MoE model in place: experts modules become :class:`QuantExperts` (fused ``w13``/``w2``),
+    ``nn.Linear`` modules become :class:`QuantLinear`, following ``config``'s rules and the default policy."""
+    qcfg = QuantConfig.of(config)
+    arch = get_arch(model.config)
+    targets = [(n, m) for n, m in model.named_modules()]
+    for name, mod in targets:
+        fmt = qcfg.for_module(name)
+        if is_experts(mod):
+            if fmt.name == "none":
+                continue
+            b = ExpertsBuilder(name, mod, arch, fmt, activation_for(arch, mod, model.config), mod.gate_up_proj.dtype)
+            b.put_fused("gate_up_proj", lambda i: mod.gate_up_proj.data[i], tuple(mod.gate_up_proj.shape), name)
+            b.put_fused("down_proj", lambda i: mod.down_proj.data[i], tuple(mod.down_proj.shape), name)
+            if b.has_bias:
+                b.put_bias("gate_up_proj", mod.gate_up_proj_bias.data, name)
+                b.put_bias("down_proj", mod.down_proj_bias.data, name)
+            set_module(model, name, b.build())
+        elif isinstance(mod, nn.Linear) and fmt.name != "none":
+            bias = None if mod.bias is None else mod.bias.data
+            set_module(model, name, quantize_linear(name, mod.weight.data, bias, fmt))
+    model.config.quantization_config = quantization_config(model, qcfg)
+    return model
+
+
+def save(model: nn.Module, out: str | os.PathLike, overwrite: bool = False, source: str | os.PathLike | None = None,
+         shard_bytes: int | None = None) -> Path:
+    """Write ``model`` (quantized or not) as safetensors + config.json into ``out`` atomically; tokenizer and
+    generation files are copied from ``source`` when given."""
+    out = Path(out)
+    qc = getattr(model.config, "quantization_config", None)
+    with atomic_dir(out, overwrite) as tmp:
+        sd = model.state_dict()
+        seen: dict[int, str] = {}
+        items = []
+        for k, t in sd.items():  # tied weights: save once
+            ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if t.numel() and hash(ptr) in seen:
+                continue
+            seen[hash(ptr)] = k
+            items.append((k, t))
+        kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+        write_shards(iter(items), tmp, {"format": "pt", "producer": "moeq"}, **kw)
+        model.config.save_pretrained(tmp)
+        if qc is not None:  # transformers may drop unknown quantization configs: write ours verbatim
+            cfg_path = tmp / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["quantization_config"] = qc
+            cfg_path.write_text(json.dumps(cfg, indent=2))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if source is not None:
+            for f in COPY_FILES:
+                if (Path(source) / f).exists() and not (tmp / f).exists():
+                    shutil.copy2(Path(source) / f, tmp / f)
+    return out
+
+
+def packed_weights(model: nn.Module) -> dict[str, PackedWeight]:
+    out = {}
+    for name, mod in model.named_modules():
+        for slot in getattr(mod, "_packed_meta", {}):
+            out[f"{name}.{slot}"] = get_packed(mod, slot)
+    return out
+
+
+def inspect(model: nn.Module) -> dict:
+    """Per-module format, bits/weight and bytes; totals for quantized, unquantized and all weights."""
+    rows = []
+    q_bytes = q_params = 0
+    for name, w in packed_weights(model).items():
+        rows.append({"module": name, "format": w.format, "detail": {k: v for k, v in w.meta().items() if k != "shape"},
+                     "shape": list(w.shape), "bits_per_weight": w.bits_per_weight, "bytes": w.nbytes})
+        q_bytes += w.nbytes
+        q_params += w.numel
+    seen = set()
+    other_bytes = other_params = 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        other_bytes += p.numel() * p.element_size()
+        other_params += p.numel()
+        if p.ndim >= 2:
+            rows.append({"module": name, "format": str(p.dtype).removeprefix("torch."), "detail": {},
+                         "shape": list(p.shape), "bits_per_weight": 8.0 * p.element_size(),
+                         "bytes": p.numel() * p.element_size()})
+    total_params = q_params + other_params
+    return {"modules": rows, "quantized_params": q_params, "quantized_bytes": q_bytes,
+            "unquantized_params": other_params, "unquantized_bytes": other_bytes,
+            "total_bytes": q_bytes + other_bytes,
+            "bits_per_weight": 8.0 * (q_bytes + other_bytes) / max(total_params, 1),
+            "quantized_bits_per_weight": 8.0 * q_bytes / max(q_params, 1)}

@@ -1,0 +1,72 @@
+"""Architectures as data: how a family's checkpoint keys map onto transformers 5.x modules and how its experts are
+laid out. Adding a family that transformers defines is a table entry plus a test.
+
+Checkpoint keys are first rewritten by ``renames`` (regex, replacement), then matched as
+- per-expert 2-D weights ``{moe}.experts.{expert}.{gate|up|down}.weight`` (names from ``expert_names``),
+- fused 3-D params ``{moe}.experts.gate_up_proj|down_proj[_bias]`` (transformers' own names),
+- anything else: a parameter or buffer of the model by its name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from transformers import PretrainedConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    model_types: tuple[str, ...]
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # on-disk per-expert names
+    renames: tuple[tuple[str, str], ...] = ()  # regex rewrites of checkpoint keys -> model names
+    transposed: bool = False  # fused params stored [E, in, out] (gpt-oss, Llama 4)
+    interleaved: bool = False  # gate/up interleaved along the fused output dim (gpt-oss)
+    activation: str = "glu"  # "glu": act(gate) * up with config.hidden_act; "gptoss": clamped swiglu
+    keep: tuple[str, ...] = ()  # extra never-quantize module globs (beyond the default policy)
+    notes: str = ""
+
+    def rename(self, key: str) -> str:
+        for pat, rep in self.renames:
+            key = re.sub(pat, rep, key)
+        return key
+
+    @property
+    def expert_key_re(self) -> re.Pattern:
+        g, u, d = (re.escape(n) for n in self.expert_names)
+        return re.compile(rf"^(?P<mod>.+\.experts)\.(?P<e>\d+)\.(?P<proj>{g}|{u}|{d})\.weight$")
+
+    def proj_kind(self, name: str) -> str:
+        return {self.expert_names[0]: "gate", self.expert_names[1]: "up", self.expert_names[2]: "down"}[name]
+
+
+FUSED_KEY_RE = re.compile(r"^(?P<mod>.+\.experts)\.(?P<param>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+
+_TABLE: tuple[Arch, ...] = (
+    Arch(("mixtral", "minimax"), expert_names=("w1", "w3", "w2"), renames=((r"\.block_sparse_moe\.", ".mlp."),)),
+    Arch(("phimoe",), expert_names=("w1", "w3", "w2"),
+         renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.gate\.weight$", ".mlp.router.weight"))),
+    Arch(("qwen2_moe",), notes="shared expert quantized; its sigmoid gate kept"),
+    Arch(("qwen3_moe",)),
+    Arch(("olmoe",)),
+    Arch(("deepseek_v3",), notes="MLA projections and shared experts quantized; router + bias kept"),
+    Arch(("jamba",), notes="mamba mixers kept in the compute dtype"),
+    Arch(("granitemoe",), renames=(
+        (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
+        (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
+        (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight"),
+    ), notes="3-D fused experts on disk"),
+    Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss",
+         notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept"),
+)
+ARCHS: dict[str, Arch] = {mt: a for a in _TABLE for mt in a.model_types}
+
+
+def supported() -> list[str]:
+    return sorted(ARCHS)
+
+
+def get_arch(config: PretrainedConfig | str) -> Arch:
+    mt = config if isinstance(config, str) else getattr(config, "model_type", None)
+    if mt not in ARCHS:
+        raise ValueError(f"unsupported architecture {mt!r}; moeq supports: {', '.join(supported())}")
+    return ARCHS[mt]

@@ -1,0 +1,156 @@
+"""Turning transformers modules into quantized ones, piece by piece (shared by ``quantize_`` and the streaming
+loader). An :class:`ExpertsBuilder` takes one expert's gate/up/down as they arrive (from per-expert checkpoint keys,
+3-D checkpoint slices or an in-memory module), quantizes each at once and assembles ``w13``/``w2`` at the end.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeq.arch import Arch
+from moeq.config import FormatConfig, Keep
+from moeq.formats import PackedWeight
+from moeq.nn import Activation, QuantExperts, QuantLinear
+
+KINDS = ("gate", "up", "down")
+
+
+def activation_for(arch: Arch, module: nn.Module, config) -> Activation:
+    if arch.activation == "gptoss":
+        return Activation("gptoss", alpha=float(module.alpha), limit=float(module.limit))
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+    return Activation("glu", act=act)
+
+
+def is_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) and isinstance(
+        getattr(module, "down_proj", None), torch.Tensor)
+
+
+def experts_dims(module: nn.Module, arch: Arch) -> tuple[int, int, int]:
+    """(E, H, I) of a transformers experts module, from its (possibly meta) parameters."""
+    e, a, b = module.gate_up_proj.shape
+    h, two_i = (a, b) if arch.transposed else (b, a)
+    return e, h, two_i // 2
+
+
+def split_gate_up(arch: Arch, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's fused gate/up weight in the model's layout -> (gate [I, H], up [I, H])."""
+    if arch.transposed:
+        w = w.t()
+    if arch.interleaved:
+        return w[0::2], w[1::2]
+    i = w.shape[0] // 2
+    return w[:i], w[i:]
+
+
+def split_gate_up_bias(arch: Arch, b: torch.Tensor) -> torch.Tensor:
+    """Fused bias ``[E, 2I]`` -> gate-then-up order ``[E, 2I]``."""
+    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1) if arch.interleaved else b
+
+
+def down_weight(arch: Arch, w: torch.Tensor) -> torch.Tensor:
+    return w.t() if arch.transposed else w
+
+
+class ExpertsBuilder:
+    """Collects one experts module's pieces; ``build()`` returns its replacement module."""
+
+    def __init__(self, name: str, module: nn.Module, arch: Arch, fmt: FormatConfig, activation: Activation,
+                 dtype: torch.dtype):
+        self.name, self.module, self.arch, self.fmt, self.activation, self.dtype = (
+            name, module, arch, fmt, activation, dtype)
+        self.num_experts, self.hidden, self.inter = experts_dims(module, arch)
+        self.pieces: dict[tuple[int, str], PackedWeight | torch.Tensor] = {}
+        self.has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
+        self.biases: dict[str, torch.Tensor] = {}
+
+    def expected_shape(self, kind: str) -> tuple[int, int]:
+        return (self.hidden, self.inter) if kind == "down" else (self.inter, self.hidden)
+
+    def put(self, e: int, kind: str, w: torch.Tensor, key: str = "") -> None:
+        where = key or f"{self.name}[{e}].{kind}"
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"{where}: expert index {e} out of range: the config declares {self.num_experts} experts")
+        if tuple(w.shape) != self.expected_shape(kind):
+            raise ValueError(f"{where}: shape {list(w.shape)} does not match the config "
+                             f"(expected {list(self.expected_shape(kind))})")
+        if (e, kind) in self.pieces:
+            raise ValueError(f"{where}: expert {e} {kind} given twice")
+        w = w.to(self.dtype)
+        q = self.fmt.quantize(w, name=where)
+        self.pieces[(e, kind)] = w.clone() if q is None else q
+
+    def put_fused(self, param: str, get_slice, shape: tuple[int, ...], key: str) -> None:
+        """A 3-D fused parameter; ``get_slice(e)`` returns expert e's 2-D slice in the model's layout."""
+        want = tuple(getattr(self.module, param).shape)
+        if tuple(shape) != want:
+            raise ValueError(f"{key}: shape {list(shape)} does not match the config (expected {list(want)})")
+        for e in range(self.num_experts):
+            w = get_slice(e)
+            if param == "gate_up_proj":
+                gate, up = split_gate_up(self.arch, w)
+                self.put(e, "gate", gate, f"{key}[{e}]")
+                self.put(e, "up", up, f"{key}[{e}]")
+            else:
+                self.put(e, "down", down_weight(self.arch, w), f"{key}[{e}]")
+
+    def put_bias(self, param: str, b: torch.Tensor, key: str) -> None:
+        want = tuple(getattr(self.module, f"{param}_bias").shape)
+        if tuple(b.shape) != want:
+            raise ValueError(f"{key}: shape {list(b.shape)} does not match the config (expected {list(want)})")
+        self.biases[param] = (split_gate_up_bias(self.arch, b) if param == "gate_up_proj" else b).to(self.dtype)
+
+    def missing(self) -> list[str]:
+        out = [f"{self.name}: expert {e} {k}" for e in range(self.num_experts) for k in KINDS
+               if (e, k) not in self.pieces]
+        if self.has_bias:
+            out += [f"{self.name}.{p}_bias" for p in ("gate_up_proj", "down_proj") if p not in self.biases]
+        return out
+
+    def build(self) -> nn.Module:
+        if self.missing():
+            raise ValueError("incomplete experts: " + "; ".join(self.missing()[:8]))
+        e_range = range(self.num_experts)
+        if isinstance(self.fmt, Keep):  # unquantized: fill the original module in its own layout
+            gate_up = torch.stack([torch.cat([self.pieces[(e, "gate")], self.pieces[(e, "up")]]) for e in e_range])
+            down = torch.stack([self.pieces[(e, "down")] for e in e_range])
+            fill_experts_module(self.module, self.arch, gate_up, down, self.biases.get("gate_up_proj"),
+                                self.biases.get("down_proj"))
+            return self.module
+        cls = type(self.pieces[(0, "gate")])
+        w13 = cls.join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
+        w2 = cls.join([[self.pieces[(e, "down")]] for e in e_range])
+        self.pieces.clear()
+        return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"))
+
+
+def fill_experts_module(module: nn.Module, arch: Arch, gate_up: torch.Tensor, down: torch.Tensor,
+                        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
+    """Set a transformers experts module's params from canonical ``gate_up [E, 2I, H]`` (gate rows then up rows),
+    ``down [E, H, I]`` and biases, converting to the module's own layout (interleaved and/or transposed)."""
+    def interleave(x: torch.Tensor, dim: int) -> torch.Tensor:
+        i = x.shape[dim] // 2
+        a, b = x.narrow(dim, 0, i), x.narrow(dim, i, i)
+        return torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
+
+    if arch.interleaved:
+        gate_up = interleave(gate_up, 1)
+        b13 = None if b13 is None else interleave(b13, 1)
+    if arch.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    module.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+    module.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+    if b13 is not None:
+        module.gate_up_proj_bias = nn.Parameter(b13.contiguous(), requires_grad=False)
+        module.down_proj_bias = nn.Parameter(b2.contiguous(), requires_grad=False)
+
+
+def quantize_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: FormatConfig) -> QuantLinear:
+    q = fmt.quantize(weight, name=f"{name}.weight")
+    return QuantLinear(q, bias)
+
+
+def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)

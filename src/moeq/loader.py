@@ -1,0 +1,275 @@
+"""``moeq.load``: build the model skeleton with parameters on the meta device, then stream the checkpoint one tensor
+(or one expert slice) at a time, quantizing in flight. Also restores saved moeq checkpoints without re-quantizing.
+Ends by checking that every checkpoint key was used and every parameter filled, naming any that were not."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from moeq.arch import FUSED_KEY_RE, Arch, get_arch
+from moeq.config import QuantConfig
+from moeq.convert import ExpertsBuilder, activation_for, is_experts, quantize_linear, set_module
+from moeq.formats import WEIGHT_TYPES
+from moeq.io.safetensors_io import Checkpoint
+from moeq.nn import Activation, QuantExperts, QuantLinear
+
+log = logging.getLogger(__name__)
+QUANT_METHOD = "moeq"
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Create parameters on the meta device (buffers stay real: rotary tables etc. are computed at init)."""
+    orig = nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        orig(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig
+
+
+def _skeleton(config, dtype: torch.dtype) -> nn.Module:
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        del config.quantization_config
+    with meta_parameters():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if qc is not None:
+        config.quantization_config = qc
+    return model
+
+
+def _compute_dtype(config, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if d in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, key: str) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name) if mod_name else model
+    except AttributeError:
+        raise ValueError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
+    if attr in mod._parameters:
+        cur = mod._parameters[attr]
+        if cur is not None and tuple(cur.shape) != tuple(t.shape):
+            raise ValueError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
+        dtype = cur.dtype if cur is not None and cur.is_floating_point() else t.dtype
+        mod._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
+    elif attr in mod._buffers:
+        cur = mod._buffers[attr]
+        if cur is not None and tuple(cur.shape) != tuple(t.shape):
+            raise ValueError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
+        mod._buffers[attr] = t.to(cur.dtype) if cur is not None and cur.is_floating_point() else t
+    else:
+        raise ValueError(f"{key}: the model has no parameter or buffer {name!r} (unexpected key)")
+
+
+def _load_generation_config(model: nn.Module, path: Path) -> None:
+    if (path / "generation_config.json").exists():
+        with contextlib.suppress(Exception):
+            model.generation_config = GenerationConfig.from_pretrained(path)
+
+
+def _finish(model: nn.Module, unused: list[str], config) -> nn.Module:
+    tie = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                  "tie_word_embeddings", False)
+    lm = getattr(model, "lm_head", None)
+    if tie and isinstance(lm, nn.Linear) and lm.weight.device.type == "meta":
+        lm.weight = model.get_input_embeddings().weight
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing or unused:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) not filled by the checkpoint: {', '.join(missing[:10])}")
+        if unused:
+            parts.append(f"{len(unused)} checkpoint key(s) not used: {', '.join(unused[:10])}")
+        raise ValueError("; ".join(parts))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
+         progress: bool = True) -> nn.Module:
+    """Load a checkpoint directory: a moeq checkpoint as saved, or a bf16/fp16 one quantized in flight with
+    ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized)."""
+    path = Path(path)
+    ckpt = Checkpoint(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read config.json: {e}") from None
+    qc = getattr(config, "quantization_config", None)
+    qc = qc if isinstance(qc, dict) else (qc.to_dict() if qc is not None else None)
+    if qc and qc.get("quant_method") == QUANT_METHOD:
+        if quant is not None:
+            raise ValueError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
+        return _load_saved(path, ckpt, config, qc, dtype, progress)
+    if qc:
+        raise ValueError(f"{path}: checkpoints quantized with quant_method={qc.get('quant_method')!r} are not "
+                         "supported by this version of moeq")
+    return _load_streaming(path, ckpt, config, QuantConfig.of(quant or "none"), dtype, progress)
+
+
+def _load_streaming(path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dtype, progress: bool) -> nn.Module:
+    arch = get_arch(config)
+    dtype = _compute_dtype(config, dtype)
+    model = _skeleton(config, dtype)
+    builders, linears = _plan(model, arch, qcfg, config, dtype)
+    unused: list[str] = []
+    pending_bias: dict[str, torch.Tensor] = {}
+    keys = ckpt.keys()
+    for key in tqdm(keys, desc="loading+quantizing", unit="tensor", disable=not progress):
+        _route(model, ckpt, key, arch, builders, linears, pending_bias, unused)
+    for name, b in pending_bias.items():  # biases that arrived before their weight
+        model.get_submodule(name).bias = nn.Parameter(b, requires_grad=False)
+    incomplete = [m for b in builders.values() for m in b.missing()]
+    if incomplete:
+        raise ValueError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}"
+                         + (f" (+{len(incomplete) - 10} more)" if len(incomplete) > 10 else ""))
+    for name, b in builders.items():
+        set_module(model, name, b.build())
+    model.config.quantization_config = quantization_config(model, qcfg)
+    _load_generation_config(model, path)
+    return _finish(model, unused, config)
+
+
+def _plan(model: nn.Module, arch: Arch, qcfg: QuantConfig, config, dtype):
+    builders: dict[str, ExpertsBuilder] = {}
+    linears: dict[str, object] = {}
+    for name, mod in model.named_modules():
+        if is_experts(mod):
+            builders[name] = ExpertsBuilder(name, mod, arch, qcfg.for_module(name), activation_for(arch, mod, config),
+                                            dtype)
+        elif isinstance(mod, nn.Linear):
+            fmt = qcfg.for_module(name)
+            if fmt.name != "none" and not any(re.fullmatch(_glob(p), name) for p in arch.keep):
+                linears[name] = fmt
+    return builders, linears
+
+
+def _glob(p: str) -> str:
+    return re.escape(p).replace(r"\*", ".*")
+
+
+def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pending_bias, unused) -> None:
+    name = arch.rename(key)
+    m = arch.expert_key_re.match(name)
+    if m and m["mod"] in builders:
+        builders[m["mod"]].put(int(m["e"]), arch.proj_kind(m["proj"]), ckpt.read(key), key)
+        return
+    m = FUSED_KEY_RE.match(name)
+    if m and m["mod"] in builders:
+        b = builders[m["mod"]]
+        if m["bias"]:
+            b.put_bias(m["param"], ckpt.read(key), key)
+        else:
+            b.put_fused(m["param"], lambda e: ckpt.read(key, e), ckpt.tensors[key].shape, key)
+        return
+    mod_name, _, attr = name.rpartition(".")
+    if mod_name in linears and attr == "weight":
+        lin = model.get_submodule(mod_name)
+        if tuple(lin.weight.shape) != tuple(ckpt.tensors[key].shape):
+            raise ValueError(f"{key}: shape {list(ckpt.tensors[key].shape)} does not match the config "
+                             f"(expected {list(lin.weight.shape)})")
+        w = ckpt.read(key).to(lin.weight.dtype)
+        bias = pending_bias.pop(mod_name, None)
+        set_module(model, mod_name, quantize_linear(mod_name, w, bias, linears.pop(mod_name)))
+        return
+    if mod_name in linears and attr == "bias":
+        pending_bias[mod_name] = ckpt.read(key).to(model.get_submodule(mod_name).weight.dtype)
+        return
+    try:
+        _set_tensor(model, name, ckpt.read(key), key)
+    except ValueError as e:
+        if "unexpected key" in str(e):
+            unused.append(key)
+        else:
+            raise
+
+
+def quantization_config(model: nn.Module, qcfg: QuantConfig) -> dict:
+    """The ``quantization_config`` a saved moeq checkpoint carries: method, version, rules and per-module formats."""
+    from moeq import __version__  # noqa: PLC0415
+
+    modules, labels = {}, set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, (QuantExperts, QuantLinear)):
+            entry = {"type": "experts" if isinstance(mod, QuantExperts) else "linear",
+                     "slots": {k: dict(v) for k, v in mod._packed_meta.items()}}
+            if isinstance(mod, QuantExperts):
+                entry["activation"] = vars(mod.activation) | {}
+                entry["bias"] = mod.b13 is not None
+            else:
+                entry["bias"] = mod.bias is not None
+            modules[name] = entry
+            labels.update(v["format"] for v in entry["slots"].values())
+    return {"quant_method": QUANT_METHOD, "version": __version__, "format_version": 1, "config": qcfg.to_dict(),
+            "formats": sorted(labels), "modules": modules}
+
+
+def _load_saved(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress: bool) -> nn.Module:
+    dtype = _compute_dtype(config, dtype)
+    model = _skeleton(config, dtype)
+    used: set[str] = set()
+    for name, entry in tqdm(qc.get("modules", {}).items(), desc="mapping", unit="module", disable=not progress):
+        slots = {}
+        for slot, meta in entry["slots"].items():
+            meta = dict(meta)
+            fmt = meta.pop("format")
+            if fmt not in WEIGHT_TYPES:
+                raise ValueError(f"{path}: module {name}: unknown format {fmt!r}; valid: {sorted(WEIGHT_TYPES)}")
+            cls = WEIGHT_TYPES[fmt]
+            tensors = {}
+            for field in cls.tensor_names():
+                key = f"{name}.{slot}_{field}"
+                if key in ckpt:
+                    tensors[field] = ckpt.mmap(key)
+                    used.add(key)
+            slots[slot] = cls.from_parts(tensors, meta)
+        if entry["type"] == "experts":
+            b13 = b2 = None
+            if entry.get("bias"):
+                b13, b2 = ckpt.mmap(f"{name}.b13"), ckpt.mmap(f"{name}.b2")
+                used.update({f"{name}.b13", f"{name}.b2"})
+            new = QuantExperts(slots["w13"], slots["w2"], Activation(**entry["activation"]), b13, b2)
+        else:
+            bias = None
+            if entry.get("bias"):
+                bias = ckpt.mmap(f"{name}.bias")
+                used.add(f"{name}.bias")
+            new = QuantLinear(slots["weight"], bias)
+        set_module(model, name, new)
+    unused = []
+    for key in ckpt.keys():
+        if key in used:
+            continue
+        try:
+            _set_tensor(model, key, ckpt.mmap(key), key)
+        except ValueError as e:
+            if "unexpected key" in str(e):
+                unused.append(key)
+            else:
+                raise
+    _load_generation_config(model, path)
+    return _finish(model, unused, config)

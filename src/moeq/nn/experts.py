@@ -1,0 +1,84 @@
+"""Quantized fused experts: ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` packed weights.
+
+Drop-in for transformers' ``*Experts`` modules (``forward(hidden [T, H], top_k_index [T, A], top_k_weights [T, A])``).
+The forward groups the token-expert pairs by expert once and runs only the experts that received tokens; each
+expert's matmuls go through :func:`moeq.kernels.expert_linear`, which picks a kernel per format and row count.
+
+Legend: T tokens, A activated experts per token, E experts, H hidden, I expert intermediate size.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from moeq.formats import PackedWeight
+from moeq.kernels import expert_linear
+from moeq.nn.packed import get_packed, set_packed
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """How gate and up combine: ``act(gate) * up`` (``kind="glu"``), or gpt-oss' clamped swiglu."""
+
+    kind: str = "glu"
+    act: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "glu":
+            return ACT2FN[self.act](gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class QuantExperts(nn.Module):
+    def __init__(self, w13: PackedWeight, w2: PackedWeight, activation: Activation,
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
+        super().__init__()
+        self.num_experts, two_i, self.hidden_dim = w13.shape
+        self.intermediate_dim = two_i // 2
+        self.activation = activation
+        set_packed(self, "w13", w13)
+        set_packed(self, "w2", w2)
+        self.b13 = None if b13 is None else nn.Parameter(b13, requires_grad=False)  # [E, 2I]
+        self.b2 = None if b2 is None else nn.Parameter(b2, requires_grad=False)  # [E, H]
+
+    @property
+    def w13(self) -> PackedWeight:
+        return get_packed(self, "w13")
+
+    @property
+    def w2(self) -> PackedWeight:
+        return get_packed(self, "w2")
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_dim}, inter={self.intermediate_dim}, w13={self.w13!r}"
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        t, a = top_k_index.shape
+        out = torch.zeros_like(hidden_states)  # [T, H]
+        flat = top_k_index.reshape(-1)  # [T*A]
+        order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // a  # [T*A]
+        weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
+        w13, w2 = self.w13, self.w2
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start:start + n]
+            x = hidden_states[rows]  # [n, H]
+            h = expert_linear(w13, e, x, None if self.b13 is None else self.b13[e])  # [n, 2I]
+            h = self.activation(h[:, : self.intermediate_dim], h[:, self.intermediate_dim:])
+            y = expert_linear(w2, e, h, None if self.b2 is None else self.b2[e])  # [n, H]
+            y = y * weight_of[start:start + n, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += n
+        return out
