@@ -1,42 +1,183 @@
-"""``moeq`` command line: a thin layer over the Python API."""
+"""``moeq`` command line: a thin layer over the Python API (user-facing output lives here, not in the library)."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import resource
 import sys
+import time
+from pathlib import Path
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     head = [h for _, h, _ in cols]
-    body = [[format(r[k], f) if isinstance(r[k], (int, float)) and f else str(r[k]) for k, _, f in cols] for r in rows]
+    body = [[format(r[k], f) if isinstance(r.get(k), (int, float)) and f else str(r.get(k, "")) for k, _, f in cols]
+            for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda xs: "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(xs, widths)))
+
+    def line(xs):
+        return "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(xs, widths)))
+
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def cmd_demo(args) -> int:
-    from moeq.demo import format_table, synthetic_stack
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    shape = tuple(args.shape)
-    print(f"Quantizing a synthetic bf16 expert stack {list(shape)} in every format:\n")
-    rows = format_table(synthetic_stack(shape))
+
+def _quant_config(args):
+    from moeq.config import QuantConfig, method
+
+    rules = []
+    for r in args.rule or []:
+        if "=" not in r:
+            raise ValueError(f"--rule {r!r}: expected PATTERN=METHOD, e.g. 'lm_head=rtn-int8'")
+        pat, m = r.rsplit("=", 1)
+        rules.append((pat, method(m, args.group_size)))
+    return QuantConfig(method(args.method, args.group_size), tuple(rules))
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return None if name is None else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def cmd_quantize(args) -> int:
+    import moeq
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    from moeq.io.safetensors_io import Checkpoint
+
+    src_bytes = sum(i.nbytes for i in Checkpoint(args.src).tensors.values())
+    t0 = time.perf_counter()
+    model = moeq.load(args.src, quant=_quant_config(args), dtype=_dtype(args.dtype), progress=not args.json)
+    moeq.save(model, out, overwrite=args.overwrite, source=args.src)
+    secs = time.perf_counter() - t0
+    info = moeq.inspect(model)
+    summary = {"out": str(out), "method": args.method, "params_quantized": info["quantized_params"],
+               "bytes_before": src_bytes, "bytes_after": info["total_bytes"],
+               "bits_per_weight": info["bits_per_weight"],
+               "quantized_bits_per_weight": info["quantized_bits_per_weight"], "seconds": secs,
+               "peak_rss_bytes": peak_rss_bytes()}
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(summary))
     else:
-        print(_table(rows, [("format", "format", ""), ("bits_per_weight", "bits/w", ".3f"), ("sqnr_db", "SQNR dB", ".2f"),
-                            ("max_abs_err", "max|err|", ".2e"), ("quantize_gbps", "quant GB/s", ".2f"),
-                            ("dequantize_gbps", "dequant GB/s", ".2f")]))
+        print(f"wrote {out}: {summary['params_quantized']:,} params quantized, "
+              f"{src_bytes / 1e6:.1f} MB -> {summary['bytes_after'] / 1e6:.1f} MB "
+              f"({summary['bits_per_weight']:.2f} bits/weight overall, "
+              f"{summary['quantized_bits_per_weight']:.2f} in quantized modules), {secs:.1f} s, "
+              f"peak RSS {summary['peak_rss_bytes'] / 1e9:.2f} GB")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import AutoTokenizer, TextStreamer
+
+    import moeq
+
+    model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
+                      progress=False)
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{args.model}: no usable tokenizer ({e})") from None
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    torch.manual_seed(args.seed)
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.eos_token_id)
+    if args.sample:
+        kw.update(temperature=args.temperature, top_p=args.top_p)
+    streamer = TextStreamer(tok, skip_prompt=False)
+    t0 = time.perf_counter()
+    out = model.generate(ids, streamer=streamer, **kw)
+    dt = time.perf_counter() - t0
+    n = out.shape[1] - ids.shape[1]
+    print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import moeq
+
+    info = moeq.inspect(moeq.load(args.model, progress=False))
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    rows = [r | {"detail": ",".join(f"{k}={v}" for k, v in r["detail"].items() if k != "dtype")} for r in info["modules"]]
+    print(_table(rows, [("module", "module", ""), ("format", "format", ""), ("detail", "settings", ""),
+                        ("bits_per_weight", "bits/w", ".3f"), ("bytes", "bytes", ",")]))
+    print(f"\nquantized: {info['quantized_params']:,} params, {info['quantized_bytes']:,} bytes "
+          f"({info['quantized_bits_per_weight']:.3f} bits/weight); unquantized: {info['unquantized_params']:,} "
+          f"params, {info['unquantized_bytes']:,} bytes; total {info['total_bytes']:,} bytes, "
+          f"{info['bits_per_weight']:.3f} bits/weight")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from moeq.demo import format_table, model_table, synthetic_stack
+
+    print(f"1) A random {args.arch} MoE checkpoint, loaded with in-flight quantization, vs its bf16 self:\n")
+    rows = model_table(args.arch)
+    print(_table(rows, [("method", "method", ""), ("bytes", "bytes", ","), ("bits_per_weight", "bits/w", ".2f"),
+                        ("decode_tok_s", "decode tok/s", ".1f"), ("mean_kl", "mean KL", ".2e"),
+                        ("top1", "top-1 agree", ".3f"), ("sample", "greedy tokens", "")]))
+    shape = tuple(args.shape)
+    print(f"\n2) Every format on a synthetic bf16 expert stack {list(shape)}:\n")
+    frows = format_table(synthetic_stack(shape))
+    print(_table(frows, [("format", "format", ""), ("bits_per_weight", "bits/w", ".3f"), ("sqnr_db", "SQNR dB", ".2f"),
+                         ("max_abs_err", "max|err|", ".2e"), ("quantize_gbps", "quant GB/s", ".2f"),
+                         ("dequantize_gbps", "dequant GB/s", ".2f")]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": rows, "formats": frows}, indent=1))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moeq.config import METHODS
+
     p = argparse.ArgumentParser(prog="moeq", description="Calibration-free quantization for MoE language models")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    def method_args(sp, default):
+        sp.add_argument("--method", default=default, choices=sorted(METHODS))
+        sp.add_argument("--group-size", type=int, default=None, help="RTN group / bnb block size")
+        sp.add_argument("--rule", action="append", metavar="PATTERN=METHOD",
+                        help="per-module override, glob on module names, e.g. 'lm_head=rtn-int8' (repeatable)")
+        sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype")
+
+    q = sub.add_parser("quantize", help="quantize a checkpoint in flight and save it")
+    q.add_argument("src")
+    q.add_argument("out")
+    method_args(q, "rtn-int4")
+    q.add_argument("--overwrite", action="store_true")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_quantize)
+
+    g = sub.add_parser("generate", help="generate text (streams tokens)")
+    g.add_argument("model")
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    method_args(g, None)
+    g.add_argument("--sample", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="what is quantized how")
+    i.add_argument("model")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
     d = sub.add_parser("demo", help="the built-in default job")
+    d.add_argument("--arch", default="qwen3_moe")
     d.add_argument("--shape", type=int, nargs=3, default=[8, 1536, 2048], metavar=("E", "N", "K"))
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -38,3 +38,46 @@ def format_table(w: torch.Tensor, formats=DEMO_FORMATS) -> list[dict]:
         rows.append({"format": cfg.label(), "bits_per_weight": q.bits_per_weight, "sqnr_db": sqnr_db(w, w_hat),
                      "max_abs_err": max_abs_err(w, w_hat), "quantize_gbps": gb / tq, "dequantize_gbps": gb / td})
     return rows
+
+
+DEMO_METHODS = ("none", "rtn-int8", "rtn-int4", "rtn-int4-asym", "nf4", "fp4", "int8")
+
+
+def model_table(arch: str = "qwen3_moe", methods=DEMO_METHODS, new_tokens: int = 16) -> list[dict]:
+    """Random ``arch`` checkpoint -> each method loaded in flight -> size, decode speed, KL/top-1 vs bf16."""
+    import tempfile  # noqa: PLC0415
+
+    import moeq  # noqa: PLC0415
+    from moeq.metrics import kl_top1  # noqa: PLC0415
+    from moeq.tiny import make_checkpoint  # noqa: PLC0415
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        make_checkpoint(arch, d, hidden_size=256, num_hidden_layers=4, **_wider(arch))
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 300, (4, 64), generator=g)
+        prompt = ids[:1, :8]
+        ref_logits = None
+        for m in methods:
+            model = moeq.load(d, quant=m, progress=False)
+            with torch.no_grad():
+                logits = model(ids).logits.float()
+            if ref_logits is None:
+                ref_logits = logits
+            kl, top1 = kl_top1(ref_logits, logits)
+            model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up
+            t0 = time.perf_counter()
+            out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            dt = time.perf_counter() - t0
+            info = moeq.inspect(model)
+            rows.append({"method": "bf16" if m == "none" else m, "bytes": info["total_bytes"],
+                         "bits_per_weight": info["bits_per_weight"], "decode_tok_s": new_tokens / dt,
+                         "mean_kl": kl.mean().item(), "top1": top1.mean().item(),
+                         "sample": " ".join(map(str, out[0, 8:14].tolist())) + " ..."})
+    return rows
+
+
+def _wider(arch: str) -> dict:
+    key = {"qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
+           "deepseek_v3": "moe_intermediate_size"}.get(arch, "intermediate_size")
+    return {key: 256}

@@ -1,0 +1,44 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+import moeq
+from moeq.arch import get_arch
+from moeq.convert import fill_experts_module
+from moeq.tiny import make_checkpoint
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """tiny_ckpt(model_type, **overrides) -> path of a random tiny checkpoint written by save_pretrained (cached)."""
+    cache = {}
+
+    def make(model_type, fused_layout=False, **kw):
+        key = (model_type, fused_layout, tuple(sorted(kw.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{model_type}{'_fused' if fused_layout else ''}")
+            cache[key] = make_checkpoint(model_type, d, fused_layout=fused_layout, **kw)
+        return cache[key]
+
+    return make
+
+
+def dequantized_reference(qmodel, src, dtype):
+    """The same model run through transformers' own forward, with every quantized weight dequantized back."""
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    arch = get_arch(ref.config)
+    for name, mod in qmodel.named_modules():
+        if isinstance(mod, moeq.nn.QuantExperts):
+            fill_experts_module(ref.get_submodule(name), arch, mod.w13.dequantize(dtype), mod.w2.dequantize(dtype),
+                                mod.b13, mod.b2)
+        elif isinstance(mod, moeq.nn.QuantLinear):
+            ref.get_submodule(name).weight.data = mod.qweight.dequantize(dtype)
+    return ref
+
+
+def packed_state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
