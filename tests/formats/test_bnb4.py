@@ -162,3 +162,21 @@ def test_from_state_dict_errors():
             bnb4.Bnb4Weight.from_state_dict(dict(sd, **{qs: torch.tensor(list(blob), dtype=torch.uint8)}), "x.")
     with pytest.raises(ValueError, match="x.weight.absmax"):
         bnb4.Bnb4Weight.from_state_dict(dict(sd, **{"x.weight.absmax": sd["x.weight.absmax"][:-1]}), "x.")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("blocksize", [32, 64, 256])
+def test_native_kernels_equal_torch(quant_type, dtype, blocksize):
+    torch.manual_seed(5)
+    w = (torch.randn(4, 32, 256) * 0.03).to(dtype)
+    w[1, :2] = 0
+    a = bnb4.quantize(w, quant_type, blocksize, True, native=True)
+    b = bnb4.quantize(w, quant_type, blocksize, True, native=False)
+    for n in ("packed", "absmax", "offset", "nested_absmax"):
+        assert torch.equal(getattr(a, n), getattr(b, n)), n
+    for out in (torch.bfloat16, torch.float32):
+        assert torch.equal(a.dequantize(out), a.dequantize_reference(out))
+    w[3, 7, 9] = float("inf")
+    with pytest.raises(ValueError, match="w13.*non-finite"):
+        bnb4.quantize(w, quant_type, blocksize, name="w13")

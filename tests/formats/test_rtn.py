@@ -117,7 +117,12 @@ def test_bad_input():
     w = torch.randn(4, 64)
     w[1, 1] = float("inf")
     with pytest.raises(ValueError, match="blk.0.w1.*non-finite"):
-        rtn.quantize(w, name="blk.0.w1")
+        rtn.quantize(w, group_size=32, name="blk.0.w1")
+    for sym, grid in ((True, "vllm"), (False, "vllm"), (True, "signed")):
+        w2 = torch.randn(3, 8, 128, dtype=torch.bfloat16)
+        w2[2, 5, 77] = float("nan")
+        with pytest.raises(ValueError, match="experts.w13.*non-finite"):
+            rtn.quantize(w2, 4, 64, sym, grid, name="experts.w13")
     with pytest.raises(ValueError, match="not divisible by group_size 128"):
         rtn.quantize(torch.randn(4, 192), group_size=128)
     with pytest.raises(ValueError, match=r"valid choices: \[2, 3, 4, 8\]"):
@@ -137,3 +142,18 @@ def test_bits_per_weight_and_state_roundtrip():
     assert q.bits_per_weight == pytest.approx(4 + 16 / 128)
     back = rtn.RTNWeight.from_parts(q.tensors(), q.meta())
     assert torch.equal(back.dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 128, -1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_kernels_equal_torch(bits, gs, dtype):
+    torch.manual_seed(7)
+    w = (torch.randn(3, 40, 256) * torch.rand(3, 40, 1) * 0.1).to(dtype)
+    w[0, 0, :128] = 0  # an all-zero group
+    a, b = rtn.quantize(w, bits, gs, native=True), rtn.quantize(w, bits, gs, native=False)
+    assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale)
+    for out in (torch.bfloat16, torch.float32):
+        assert torch.equal(a.dequantize(out), a.dequantize_reference(out))
+    asym = rtn.quantize(w, bits, gs, symmetric=False)
+    assert torch.equal(asym.dequantize(torch.bfloat16), asym.dequantize_reference(torch.bfloat16))

@@ -114,6 +114,33 @@ class Bnb4Weight(PackedWeight):
         absmax = self.resolved_absmax()
         nb = absmax.shape[1]
         dtype = dtype or self.dtype
+        if n % bs == 0 and dtype in (torch.bfloat16, torch.float32):
+            out = self._dequantize_native(absmax, dtype)
+            if out is not None:
+                return out
+        return self.dequantize_reference(dtype, absmax)
+
+    def _dequantize_native(self, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        from moeq.kernels import cpu  # noqa: PLC0415
+
+        L = cpu.lib()
+        absmax = absmax.contiguous()
+        code = self.code.float().contiguous()
+        if L is None or not cpu.usable(self.packed, absmax, code):
+            return None
+        out = torch.empty(self.shape, dtype=dtype)
+        L.moeq_bnb4_dequant(cpu.ptr(self.packed), cpu.ptr(absmax), cpu.ptr(code), cpu.i64(self.numel),
+                            cpu.i64(self.blocksize), cpu.ptr(out), int(dtype == torch.bfloat16))
+        return out
+
+    def dequantize_reference(self, dtype: torch.dtype | None = None, absmax: torch.Tensor | None = None):
+        """Plain-torch dequantization (the ground truth of the native kernel)."""
+        s = self.slices
+        n = self.numel // s
+        bs = self.blocksize
+        absmax = self.resolved_absmax() if absmax is None else absmax
+        nb = absmax.shape[1]
+        dtype = dtype or self.dtype
         table = _pair_table(self.code.float()).to(self.packed.device)
         if n % bs == 0:
             pb, ab = self.packed.reshape(-1, bs // 2), absmax.reshape(-1, 1)
@@ -250,6 +277,20 @@ def quantize_blockwise8(x: torch.Tensor, code: torch.Tensor, blocksize: int = NE
     return q[:, :n], absmax
 
 
+def _quantize_native(w, blocksize, bounds, order, packed, absmax) -> bool:
+    from moeq.kernels import cpu  # noqa: PLC0415
+
+    L = cpu.lib()
+    w = w.contiguous()
+    if L is None or not cpu.usable(w, packed, absmax):
+        return False
+    order8 = order.to(torch.uint8).contiguous()
+    L.moeq_bnb4_quantize(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(w.numel() // blocksize),
+                         cpu.i64(blocksize), cpu.ptr(bounds.contiguous()), cpu.ptr(order8), cpu.ptr(packed),
+                         cpu.ptr(absmax))
+    return True
+
+
 def _codes_packed(scaled: torch.Tensor, bounds: torch.Tensor, order: torch.Tensor, quant_type: str) -> torch.Tensor:
     """Scaled values ``[R, 2m]`` -> packed bytes ``[R, m]`` (nearest code, ties low; even element HIGH nibble)."""
     q = torch.bucketize(scaled, bounds, out_int32=True)
@@ -272,6 +313,7 @@ def quantize(
     double_quant: bool = True,
     slices: int | None = None,
     name: str | None = None,
+    native: bool = True,
 ) -> Bnb4Weight:
     """Quantize ``w`` like ``bitsandbytes.functional.quantize_4bit(w_slice, blocksize, compress_statistics=
     double_quant, quant_type)`` for each of ``slices`` equal pieces (default: per leading index for ndim >= 3)."""
@@ -280,7 +322,6 @@ def quantize(
     if blocksize not in BLOCKSIZES:
         raise choice_error("blocksize", blocksize, BLOCKSIZES)
     check_float(w, name)
-    check_finite(w, name)
     if slices is None:
         slices = w.shape[0] if w.ndim >= 3 else 1
     if slices < 1 or w.numel() % slices:
@@ -290,7 +331,11 @@ def quantize(
     bounds, order = _bounds(quant_type)
     packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8, device=w.device)
     absmax = torch.empty(slices, nb, dtype=torch.float32, device=w.device)
-    if n % blocksize == 0:  # common case: every slice is whole blocks -> work on cache-sized runs of blocks
+    if native and n % blocksize == 0 and w.dtype in (torch.bfloat16, torch.float32) and _quantize_native(
+            w, blocksize, bounds, order, packed, absmax):
+        if not torch.isfinite(absmax).all():  # the kernel marks blocks holding NaN/Inf
+            check_finite(w, name)
+    elif check_finite(w, name) or n % blocksize == 0:  # common case: every slice is whole blocks -> work on cache-sized runs of blocks
         blocks, pb, ab = w.reshape(-1, blocksize), packed.view(-1, blocksize // 2), absmax.view(-1)
         for a, b in row_chunks(blocks.shape[0], blocksize):
             scaled, am = _blockwise_scaled(blocks[a:b].float(), blocksize)

@@ -58,6 +58,32 @@ class RTNWeight(PackedWeight):
         k = self.shape[-1]
         gs = k if self.group_size == -1 else self.group_size
         dtype = dtype or self.dtype
+        out = self._dequantize_native(dtype, gs)
+        if out is not None:
+            return out
+        return self.dequantize_reference(dtype)
+
+    def _dequantize_native(self, dtype: torch.dtype, gs: int) -> torch.Tensor | None:
+        from moeq.kernels import cpu  # noqa: PLC0415
+
+        if (self.bits not in (4, 8) or dtype not in (torch.bfloat16, torch.float32)
+                or self.scale.dtype not in (torch.bfloat16, torch.float32)):
+            return None
+        L = cpu.lib()
+        if L is None or not cpu.usable(self.qdata, self.scale, self.zero):
+            return None
+        k = self.shape[-1]
+        out = torch.empty(self.shape, dtype=dtype)
+        L.moeq_rtn_dequant(cpu.ptr(self.qdata), cpu.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
+                           cpu.ptr(self.zero), self.bits, cpu.i64(self.numel // k), cpu.i64(k), cpu.i64(gs),
+                           cpu.ptr(out), int(dtype == torch.bfloat16))
+        return out
+
+    def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain-torch dequantization (the ground truth of the native kernel)."""
+        k = self.shape[-1]
+        gs = k if self.group_size == -1 else self.group_size
+        dtype = dtype or self.dtype
         qd = self.qdata.reshape(-1, self.qdata.shape[-1])
         sc = self.scale.reshape(-1, k // gs)
         zr = None if self.zero is None else self.zero.reshape(-1, k // gs)
@@ -89,8 +115,10 @@ def quantize(
     symmetric: bool = True,
     grid: str = "vllm",
     name: str | None = None,
+    native: bool = True,
 ) -> RTNWeight:
-    """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors."""
+    """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors; ``native=False`` forces the
+    plain-torch path (the native kernel's ground truth; both give identical bytes)."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if group_size not in GROUP_SIZES:
@@ -98,13 +126,21 @@ def quantize(
     if grid not in GRIDS:
         raise choice_error("RTN grid", grid, GRIDS)
     check_float(w, name)
-    check_finite(w, name)
     if w.shape[-1] % codes_per_unit(bits):
         raise ValueError(f"tensor {name or '<unnamed>'}: last dim {w.shape[-1]} must be a multiple of "
                          f"{codes_per_unit(bits)} for {bits}-bit packing")
     _groups(w, group_size, name)  # validates divisibility
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
+    if native and symmetric and grid == "vllm" and bits in (4, 8) and w.dtype in (torch.bfloat16, torch.float32):
+        native = _quantize_native(w, bits, gs)
+        if native is not None:
+            qdata, scale = native
+            if not torch.isfinite(scale).all():  # the kernel marks groups holding NaN/Inf
+                check_finite(w, name)
+            return RTNWeight(qdata=qdata, scale=scale, zero=None, bits=bits, group_size=group_size, grid="vllm",
+                             shape=tuple(w.shape), dtype=w.dtype)
+    check_finite(w, name)
     rows = w.reshape(-1, k)
     qdata = torch.empty(rows.shape[0], packed_size(k, bits), dtype=torch.uint8, device=w.device)
     scale = torch.empty(rows.shape[0], k // gs, dtype=w.dtype, device=w.device)
@@ -126,6 +162,22 @@ def quantize(
         shape=tuple(w.shape),
         dtype=w.dtype,
     )
+
+
+def _quantize_native(w: torch.Tensor, bits: int, gs: int):
+    from moeq.kernels import cpu  # noqa: PLC0415
+
+    L = cpu.lib()
+    w = w.contiguous()
+    if L is None or not cpu.usable(w):
+        return None
+    k = w.shape[-1]
+    rows = w.numel() // k
+    qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
+    scale = torch.empty(*w.shape[:-1], k // gs, dtype=w.dtype)
+    L.moeq_rtn_quantize_sym(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(rows), cpu.i64(k), cpu.i64(gs), bits,
+                            cpu.ptr(qdata), cpu.ptr(scale))
+    return qdata, scale
 
 
 def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):

@@ -39,3 +39,10 @@ def linear(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -
 def expert_linear(w: PackedWeight, e: int, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Expert ``e`` of a stacked weight ``[E, N, K]`` applied to ``x [n, K]``; touches only that expert."""
     return linear(w[e], x, bias)
+
+
+def _register_builtin() -> None:
+    from moeq.kernels import cpu_ops  # noqa: F401,PLC0415  (registers the native CPU kernels)
+
+
+_register_builtin()

@@ -1,0 +1,65 @@
+"""Native CPU kernels (``cpu_kernels.c``), compiled on first use with the system C compiler into a per-user cache
+and called through ctypes. No torch headers are involved, so the build takes about a second. When no compiler is
+available, ``lib()`` returns None and every caller keeps its plain-torch path."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SRC = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moeq" / "kernels"
+
+
+@functools.cache
+def lib() -> ctypes.CDLL | None:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: moeq uses its plain-torch CPU paths (slower)")
+        return None
+    src = SRC.read_bytes()
+    tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    so = _cache_dir() / f"libmoeq_cpu_{tag}.so"
+    if not so.exists():
+        so.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+            out = Path(tmp) / so.name
+            proc = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+            if proc.returncode:
+                log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
+                return None
+            os.replace(out, so)
+    try:
+        L = ctypes.CDLL(str(so))
+    except OSError as e:
+        log.warning("loading moeq CPU kernels failed (%s), using plain-torch paths", e)
+        return None
+    L.moeq_set_threads(torch.get_num_threads())
+    return L
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def i64(v: int) -> ctypes.c_int64:
+    return ctypes.c_int64(v)
+
+
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """The native path takes CPU, contiguous tensors only."""
+    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)

@@ -1,0 +1,390 @@
+// moeq native CPU kernels: quantize, dequantize and small-batch matmul (gemv) for the packed formats.
+// Plain C + OpenMP, built on first use with the system compiler (see cpu.py). Every function mirrors a plain-torch
+// reference in moeq.formats / moeq.kernels and is tested against it: quantize/dequantize bit-exactly, gemv within
+// fp32 accumulation tolerance.
+//
+// Layouts (row-major, rows = output features N, K = input features):
+//   rtn:  q uint8 [N, K/2] (4-bit, even k in the LOW nibble) or [N, K] (8-bit); scale [N, K/gs]; zero uint8|NULL
+//   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
+//   int8: w int8 [N, K], scb fp32 [N]
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef int64_t i64;
+
+void moeq_set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#endif
+}
+
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_scale(const void* s, int bf16, i64 i) {
+    return bf16 ? bf2f(((const uint16_t*)s)[i]) : ((const float*)s)[i];
+}
+
+// ---------------------------------------------------------------- RTN -------------------------------------------
+// Symmetric vLLM grid, exactly torch's arithmetic in the weight's dtype (bf16: every op rounded to bf16).
+// A group holding NaN/Inf gets a NaN scale (the caller checks the scales and names the tensor).
+static inline uint16_t f2bf_finite(float f) {  // round to nearest even; callers only pass finite values
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void load_group(const void* w, int bf16, i64 base, i64 n, float* buf) {
+    if (bf16) {
+        const uint16_t* p = (const uint16_t*)w + base;
+#pragma omp simd
+        for (i64 k = 0; k < n; k++) buf[k] = bf2f(p[k]);
+    } else {
+        memcpy(buf, (const float*)w + base, (size_t)n * sizeof(float));
+    }
+}
+
+void moeq_rtn_quantize_sym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale) {
+    const int maxq = (1 << bits) - 1, half = 1 << (bits - 1);
+    const i64 G = K / gs;
+#pragma omp parallel
+    {
+        float buf[4096], c[4096];
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; r++) {
+            for (i64 g = 0; g < G; g++) {
+                const i64 base = r * K + g * gs;
+                load_group(w, bf16, base, gs, buf);
+                float amax = 0.f;
+                int bad = 0;
+#pragma omp simd reduction(max : amax) reduction(+ : bad)
+                for (i64 k = 0; k < gs; k++) {
+                    const float a = fabsf(buf[k]);
+                    bad += !(a <= 3.402823466e38f);
+                    amax = a > amax ? a : amax;
+                }
+                float s;
+                if (bad) {
+                    s = NAN;
+                } else if (bf16) {
+                    s = bf2f(f2bf_finite(bf2f(f2bf_finite(amax * 2.0f)) / (float)maxq));
+                } else {
+                    s = amax * 2.0f / (float)maxq;
+                }
+                if (bf16)
+                    ((uint16_t*)scale)[r * G + g] = bad ? (uint16_t)0x7fc0 : f2bf_finite(s);
+                else
+                    ((float*)scale)[r * G + g] = s;
+                if (bad) continue;
+                const float d = s == 0.f ? 1.f : s;
+#pragma omp simd
+                for (i64 k = 0; k < gs; k++) {
+                    float x = buf[k] / d;
+                    if (bf16) x = bf2f(f2bf_finite(x));
+                    float v = rintf(x) + (float)half;
+                    v = v < 0.f ? 0.f : v;
+                    c[k] = v > (float)maxq ? (float)maxq : v;
+                }
+                if (bits == 8) {
+                    uint8_t* o = q + base;
+#pragma omp simd
+                    for (i64 k = 0; k < gs; k++) o[k] = (uint8_t)c[k];
+                } else {
+                    uint8_t* o = q + r * (K / 2) + g * gs / 2;
+#pragma omp simd
+                    for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)((uint8_t)c[2 * j] | ((uint8_t)c[2 * j + 1] << 4));
+                }
+            }
+        }
+    }
+}
+
+// (q - z) * s for each element; out fp32 or bf16 (rounded once, like the torch reference).
+void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 rows,
+                      i64 K, i64 gs, void* out, int out_bf16) {
+    const i64 G = K / gs;
+    const float half = (float)(1 << (bits - 1));
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++) {
+        for (i64 g = 0; g < G; g++) {
+            const float s = load_scale(scale, scale_bf16, r * G + g);
+            const float z = zero ? (float)zero[r * G + g] : half;
+            const i64 o = r * K + g * gs;
+            if (bits == 8) {
+                const uint8_t* qq = q + r * K + g * gs;
+                if (out_bf16)
+                    for (i64 k = 0; k < gs; k++) ((uint16_t*)out)[o + k] = f2bf(((float)qq[k] - z) * s);
+                else
+                    for (i64 k = 0; k < gs; k++) ((float*)out)[o + k] = ((float)qq[k] - z) * s;
+            } else {
+                const uint8_t* qq = q + r * (K / 2) + g * gs / 2;
+                for (i64 j = 0; j < gs / 2; j++) {
+                    const float lo = ((float)(qq[j] & 15) - z) * s, hi = ((float)(qq[j] >> 4) - z) * s;
+                    if (out_bf16) {
+                        ((uint16_t*)out)[o + 2 * j] = f2bf(lo);
+                        ((uint16_t*)out)[o + 2 * j + 1] = f2bf(hi);
+                    } else {
+                        ((float*)out)[o + 2 * j] = lo;
+                        ((float*)out)[o + 2 * j + 1] = hi;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// y[M, N] = x[M, K] @ dequant(W)^T, fp32 accumulation. xe/xo: x split into even/odd k (fp32, [M, K/2] each, 4-bit)
+// or xe = x ([M, K], 8-bit); xsum: per-group sums of x [M, G] (for the zero point). M <= 8.
+#if defined(__AVX512F__)
+// One output row for a compile-time M (keeps the M accumulators in registers).
+static inline __attribute__((always_inline)) void rtn_row_avx512(
+    const float* xe, const float* xo, const float* xsum, const i64 M, const uint8_t* q, const void* scale,
+    int scale_bf16, const uint8_t* zero, int bits, i64 n, i64 K, i64 gs, float* out, float* zt) {
+    const i64 G = K / gs;
+    const float half = (float)(1 << (bits - 1));
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        const float s = load_scale(scale, scale_bf16, n * G + g);
+        const float z = zero ? (float)zero[n * G + g] : half;
+        for (i64 m = 0; m < M; m++) zt[m] += z * s * xsum[m * G + g];
+        __m512 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_ps();
+        if (bits == 8) {
+            const uint8_t* qq = q + n * K + g * gs;
+            for (i64 k = 0; k < gs; k += 16) {
+                __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + k))));
+                for (i64 m = 0; m < M; m++) v[m] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xe + m * K + g * gs + k), v[m]);
+            }
+        } else {
+            const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+            for (i64 j = 0; j < gs / 2; j += 16) {
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                const i64 o = g * gs / 2 + j;
+                for (i64 m = 0; m < M; m++) {
+                    v[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + m * (K / 2) + o), v[m]);
+                    v[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + m * (K / 2) + o), v[m]);
+                }
+            }
+        }
+        const __m512 sv = _mm512_set1_ps(s);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(v[m], sv, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                   int scale_bf16, const uint8_t* zero, int bits, i64 N, i64 K, i64 gs, float* y) {
+    const i64 G = K / gs;
+    const float half = (float)(1 << (bits - 1));
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        float zt[8] = {0}, out[8] = {0};
+#if defined(__AVX512F__)
+        if (gs % 32 == 0) {
+            switch (M) {
+#define RTN_CASE(c) case c: rtn_row_avx512(xe, xo, xsum, c, q, scale, scale_bf16, zero, bits, n, K, gs, out, zt); break;
+                RTN_CASE(1) RTN_CASE(2) RTN_CASE(3) RTN_CASE(4) RTN_CASE(5) RTN_CASE(6) RTN_CASE(7) RTN_CASE(8)
+#undef RTN_CASE
+            }
+        } else
+#endif
+        {
+            for (i64 g = 0; g < G; g++) {
+                const float s = load_scale(scale, scale_bf16, n * G + g);
+                const float z = zero ? (float)zero[n * G + g] : half;
+                for (i64 m = 0; m < M; m++) {
+                    float a = 0.f;
+                    if (bits == 8) {
+                        const uint8_t* qq = q + n * K + g * gs;
+                        const float* xx = xe + m * K + g * gs;
+                        for (i64 k = 0; k < gs; k++) a += (float)qq[k] * xx[k];
+                    } else {
+                        const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+                        const float* e = xe + m * (K / 2) + g * gs / 2;
+                        const float* o = xo + m * (K / 2) + g * gs / 2;
+                        for (i64 j = 0; j < gs / 2; j++) a += (float)(qq[j] & 15) * e[j] + (float)(qq[j] >> 4) * o[j];
+                    }
+                    out[m] += a * s;
+                    zt[m] += z * s * xsum[m * G + g];
+                }
+            }
+        }
+        for (i64 m = 0; m < M; m++) y[m * N + n] = out[m] - zt[m];
+    }
+}
+
+// ---------------------------------------------------------------- bnb4 ------------------------------------------
+// Whole blocks only (n % bs == 0): absmax = max|x|, scaled = clamp(x * (1/absmax), -1, 1), code = number of sorted
+// midpoints strictly below (ties to the lower code), remapped by `order` (FP4); even element -> HIGH nibble.
+// A block holding NaN/Inf gets a NaN absmax (the caller checks and names the tensor).
+void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
+                        uint8_t* packed, float* absmax) {
+#pragma omp parallel
+    {
+        float buf[4096];
+        int32_t idx[4096];
+#pragma omp for schedule(static)
+        for (i64 b = 0; b < nblocks; b++) {
+            const i64 base = b * bs;
+            load_group(w, bf16, base, bs, buf);
+            float am = 0.f;
+            int bad = 0;
+#pragma omp simd reduction(max : am) reduction(+ : bad)
+            for (i64 k = 0; k < bs; k++) {
+                const float a = fabsf(buf[k]);
+                bad += !(a <= 3.402823466e38f);
+                am = a > am ? a : am;
+            }
+            absmax[b] = bad ? NAN : am;
+            if (bad) continue;
+            const float r = 1.0f / (am < 1e-38f ? 1e-38f : am);
+#pragma omp simd
+            for (i64 k = 0; k < bs; k++) {
+                float x = buf[k] * r;
+                x = x < -1.f ? -1.f : x;
+                buf[k] = x > 1.f ? 1.f : x;
+                idx[k] = 0;
+            }
+            for (int i = 0; i < 15; i++) {
+                const float bi = bounds[i];
+#pragma omp simd
+                for (i64 k = 0; k < bs; k++) idx[k] += bi < buf[k];
+            }
+            uint8_t* o = packed + base / 2;
+            for (i64 j = 0; j < bs / 2; j++) o[j] = (uint8_t)((order[idx[2 * j]] << 4) | order[idx[2 * j + 1]]);
+        }
+    }
+}
+
+// out[i] = code[nibble(i)] * absmax[i / bs] (fp32 product, then rounded once to bf16 if asked).
+void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* code, i64 n, i64 bs, void* out,
+                       int out_bf16) {
+    const i64 nb = n / bs;
+#pragma omp parallel for schedule(static)
+    for (i64 b = 0; b < nb; b++) {
+        const float a = absmax[b];
+        const uint8_t* p = packed + b * bs / 2;
+        const i64 o = b * bs;
+        for (i64 j = 0; j < bs / 2; j++) {
+            const float hi = code[p[j] >> 4] * a, lo = code[p[j] & 15] * a;
+            if (out_bf16) {
+                ((uint16_t*)out)[o + 2 * j] = f2bf(hi);
+                ((uint16_t*)out)[o + 2 * j + 1] = f2bf(lo);
+            } else {
+                ((float*)out)[o + 2 * j] = hi;
+                ((float*)out)[o + 2 * j + 1] = lo;
+            }
+        }
+    }
+}
+
+// y[M, N] = x @ dequant(W)^T for a bnb4 weight [N, K] with K % bs == 0. xe/xo: even/odd k of x ([M, K/2] fp32).
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void bnb4_row_avx512(
+    const float* xe, const float* xo, const i64 M, const uint8_t* packed, const float* absmax, const float* code,
+    i64 n, i64 K, i64 bs, float* out) {
+    const i64 nbr = K / bs;
+    const __m512 tab = _mm512_loadu_ps(code);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < nbr; g++) {
+        const uint8_t* p = packed + (n * K + g * bs) / 2;
+        __m512 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_ps();
+        for (i64 j = 0; j < bs / 2; j += 16) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
+            __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
+            __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), tab);
+            const i64 o = g * bs / 2 + j;
+            for (i64 m = 0; m < M; m++) {
+                v[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xe + m * (K / 2) + o), v[m]);
+                v[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xo + m * (K / 2) + o), v[m]);
+            }
+        }
+        const __m512 av = _mm512_set1_ps(absmax[n * nbr + g]);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(v[m], av, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
+                    const float* code, i64 N, i64 K, i64 bs, float* y) {
+    const i64 nbr = K / bs;  // blocks per row
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        float out[8] = {0};
+#if defined(__AVX512F__)
+        if (bs % 32 == 0) {
+            switch (M) {
+#define BNB_CASE(c) case c: bnb4_row_avx512(xe, xo, c, packed, absmax, code, n, K, bs, out); break;
+                BNB_CASE(1) BNB_CASE(2) BNB_CASE(3) BNB_CASE(4) BNB_CASE(5) BNB_CASE(6) BNB_CASE(7) BNB_CASE(8)
+#undef BNB_CASE
+            }
+        } else
+#endif
+        {
+            for (i64 g = 0; g < nbr; g++) {
+                const float a = absmax[n * nbr + g];
+                const uint8_t* p = packed + (n * K + g * bs) / 2;
+                for (i64 m = 0; m < M; m++) {
+                    const float* e = xe + m * (K / 2) + g * bs / 2;
+                    const float* o = xo + m * (K / 2) + g * bs / 2;
+                    float s = 0.f;
+                    for (i64 j = 0; j < bs / 2; j++) s += code[p[j] >> 4] * e[j] + code[p[j] & 15] * o[j];
+                    out[m] += s * a;
+                }
+            }
+        }
+        for (i64 m = 0; m < M; m++) y[m * N + n] = out[m];
+    }
+}
+
+// ---------------------------------------------------------------- LLM.int8 --------------------------------------
+void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y) {
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const int8_t* ww = w + n * K;
+        const float s = scb[n] * 7.874015718698502e-3f;
+        float out[8] = {0};
+        i64 k0 = 0;
+#if defined(__AVX512F__)
+        __m512 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_ps();
+        for (; k0 + 16 <= K; k0 += 16) {
+            __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ww + k0))));
+            for (i64 m = 0; m < M; m++) v[m] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + m * K + k0), v[m]);
+        }
+        for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(v[m]);
+#endif
+        for (i64 m = 0; m < M; m++) {
+            float a = 0.f;
+            for (i64 k = k0; k < K; k++) a += (float)ww[k] * x[m * K + k];
+            y[m * N + n] = (out[m] + a) * s;
+        }
+    }
+}

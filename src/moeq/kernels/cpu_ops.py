@@ -1,0 +1,82 @@
+"""Native small-batch (decode) matmuls for the packed formats, registered with :mod:`moeq.kernels`.
+
+Each declines (returns None) outside its domain (non-CPU tensors, more than ``MAX_ROWS`` rows, unsupported
+layouts), leaving the reference path: dequantize (natively, fast) + ``F.linear`` (AMX bf16 for many rows)."""
+from __future__ import annotations
+
+import torch
+
+from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
+from moeq.kernels import cpu, register
+
+MAX_ROWS = 8
+
+
+def _rows(w, x: torch.Tensor):
+    k = w.shape[-1]
+    if x.device.type != "cpu" or len(w.shape) != 2 or x.shape[-1] != k:
+        return None
+    m = x.numel() // k
+    return m if 0 < m <= MAX_ROWS else None
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _even_odd(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous()
+
+
+@register("rtn")
+def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    m = _rows(w, x)
+    L = cpu.lib()
+    if m is None or L is None or w.bits not in (4, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not cpu.usable(w.qdata, w.scale, w.zero):
+        return None
+    n, k = w.shape
+    gs = k if w.group_size == -1 else w.group_size
+    xf = x.reshape(m, k).float().contiguous()
+    xsum = xf.view(m, k // gs, gs).sum(-1).contiguous()
+    xe, xo = _even_odd(xf) if w.bits == 4 else (xf, None)
+    y = torch.empty(m, n, dtype=torch.float32)
+    L.moeq_rtn_gemv(cpu.ptr(xe), cpu.ptr(xo), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
+                    int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), w.bits, cpu.i64(n), cpu.i64(k), cpu.i64(gs),
+                    cpu.ptr(y))
+    return _finish(y, x, n, bias)
+
+
+@register("bnb4")
+def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    m = _rows(w, x)
+    L = cpu.lib()
+    if m is None or L is None or w.shape[-1] % w.blocksize or (w.numel // w.slices) % w.blocksize:
+        return None
+    n, k = w.shape
+    absmax = w.resolved_absmax().contiguous()
+    code = w.code.float().contiguous()
+    if not cpu.usable(w.packed, absmax):
+        return None
+    xe, xo = _even_odd(x.reshape(m, k).float())
+    y = torch.empty(m, n, dtype=torch.float32)
+    L.moeq_bnb4_gemv(cpu.ptr(xe), cpu.ptr(xo), cpu.i64(m), cpu.ptr(w.packed), cpu.ptr(absmax), cpu.ptr(code),
+                     cpu.i64(n), cpu.i64(k), cpu.i64(w.blocksize), cpu.ptr(y))
+    return _finish(y, x, n, bias)
+
+
+@register("int8")
+def int8_gemv(w: Int8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    m = _rows(w, x)
+    L = cpu.lib()
+    if m is None or L is None or not cpu.usable(w.weight, w.scb):
+        return None
+    n, k = w.shape
+    xf = x.reshape(m, k).float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    L.moeq_int8_gemv(cpu.ptr(xf), cpu.i64(m), cpu.ptr(w.weight), cpu.ptr(w.scb), cpu.i64(n), cpu.i64(k), cpu.ptr(y))
+    return _finish(y, x, n, bias)
