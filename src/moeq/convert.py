@@ -64,6 +64,11 @@ class ExpertsBuilder:
         self.pieces: dict[tuple[int, str], PackedWeight | torch.Tensor] = {}
         self.has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
         self.biases: dict[str, torch.Tensor] = {}
+        self.built = False
+
+    def _check_open(self, where: str) -> None:
+        if self.built:
+            raise ValueError(f"{where}: {self.name} is already complete: duplicate or extra expert tensor")
 
     def expected_shape(self, kind: str) -> tuple[int, int]:
         return (self.hidden, self.inter) if kind == "down" else (self.inter, self.hidden)
@@ -75,6 +80,7 @@ class ExpertsBuilder:
         if tuple(w.shape) != self.expected_shape(kind):
             raise ValueError(f"{where}: shape {list(w.shape)} does not match the config "
                              f"(expected {list(self.expected_shape(kind))})")
+        self._check_open(where)
         if (e, kind) in self.pieces:
             raise ValueError(f"{where}: expert {e} {kind} given twice")
         w = w.to(self.dtype)
@@ -99,9 +105,12 @@ class ExpertsBuilder:
         want = tuple(getattr(self.module, f"{param}_bias").shape)
         if tuple(b.shape) != want:
             raise ValueError(f"{key}: shape {list(b.shape)} does not match the config (expected {list(want)})")
+        self._check_open(key)
         self.biases[param] = (split_gate_up_bias(self.arch, b) if param == "gate_up_proj" else b).to(self.dtype)
 
     def missing(self) -> list[str]:
+        if self.built:
+            return []
         out = [f"{self.name}: expert {e} {k}" for e in range(self.num_experts) for k in KINDS
                if (e, k) not in self.pieces]
         if self.has_bias:
@@ -117,11 +126,14 @@ class ExpertsBuilder:
             down = torch.stack([self.pieces[(e, "down")] for e in e_range])
             fill_experts_module(self.module, self.arch, gate_up, down, self.biases.get("gate_up_proj"),
                                 self.biases.get("down_proj"))
+            self.pieces.clear()
+            self.built = True
             return self.module
         cls = type(self.pieces[(0, "gate")])
         w13 = cls.join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
         w2 = cls.join([[self.pieces[(e, "down")]] for e in e_range])
         self.pieces.clear()
+        self.built = True
         return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"))
 
 

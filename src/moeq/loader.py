@@ -4,6 +4,7 @@ Ends by checking that every checkpoint key was used and every parameter filled, 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -24,6 +25,12 @@ from moeq.nn import Activation, QuantExperts, QuantLinear
 
 log = logging.getLogger(__name__)
 QUANT_METHOD = "moeq"
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise, inflating RSS while streaming)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @contextlib.contextmanager
@@ -143,12 +150,10 @@ def _load_streaming(path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dty
         _route(model, ckpt, key, arch, builders, linears, pending_bias, unused)
     for name, b in pending_bias.items():  # biases that arrived before their weight
         model.get_submodule(name).bias = nn.Parameter(b, requires_grad=False)
-    incomplete = [m for b in builders.values() for m in b.missing()]
+    incomplete = [m for b in builders.values() if not b.built for m in b.missing()]
     if incomplete:
         raise ValueError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}"
                          + (f" (+{len(incomplete) - 10} more)" if len(incomplete) > 10 else ""))
-    for name, b in builders.items():
-        set_module(model, name, b.build())
     model.config.quantization_config = quantization_config(model, qcfg)
     _load_generation_config(model, path)
     return _finish(model, unused, config)
@@ -172,19 +177,26 @@ def _glob(p: str) -> str:
     return re.escape(p).replace(r"\*", ".*")
 
 
+def _build_if_complete(model, builders, mod: str) -> None:
+    """Swap in an experts module as soon as all its pieces arrived: bounded memory (one module's pieces at a time)."""
+    b = builders[mod]
+    if not b.built and not b.missing():
+        set_module(model, mod, b.build())
+        release_memory()
+
+
 def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pending_bias, unused) -> None:
     name = arch.rename(key)
-    m = arch.expert_key_re.match(name)
-    if m and m["mod"] in builders:
-        builders[m["mod"]].put(int(m["e"]), arch.proj_kind(m["proj"]), ckpt.read(key), key)
-        return
-    m = FUSED_KEY_RE.match(name)
+    m = arch.expert_key_re.match(name) or FUSED_KEY_RE.match(name)
     if m and m["mod"] in builders:
         b = builders[m["mod"]]
-        if m["bias"]:
+        if "e" in m.groupdict():
+            b.put(int(m["e"]), arch.proj_kind(m["proj"]), ckpt.read(key), key)
+        elif m["bias"]:
             b.put_bias(m["param"], ckpt.read(key), key)
         else:
             b.put_fused(m["param"], lambda e: ckpt.read(key, e), ckpt.tensors[key].shape, key)
+        _build_if_complete(model, builders, m["mod"])
         return
     mod_name, _, attr = name.rpartition(".")
     if mod_name in linears and attr == "weight":
