@@ -42,3 +42,30 @@ def dequantized_reference(qmodel, src, dtype):
 
 def packed_state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def dequantized_clone(qmodel):
+    """A plain transformers model (built from qmodel's config) holding qmodel's weights dequantized."""
+    import copy
+
+    from moeq.loader import _skeleton
+
+    cfg = copy.deepcopy(qmodel.config)
+    dtype = next(p for p in qmodel.parameters() if p.is_floating_point()).dtype
+    ref = _skeleton(cfg, dtype)
+    arch = get_arch(cfg)
+    for name, mod in qmodel.named_modules():
+        if isinstance(mod, moeq.nn.QuantExperts):
+            fill_experts_module(ref.get_submodule(name), arch, mod.w13.dequantize(dtype), mod.w2.dequantize(dtype),
+                                mod.b13, mod.b2)
+        elif isinstance(mod, moeq.nn.QuantLinear):
+            lin = ref.get_submodule(name)
+            lin.weight = torch.nn.Parameter(mod.qweight.dequantize(dtype), requires_grad=False)
+            if mod.bias is not None:
+                lin.bias = torch.nn.Parameter(mod.bias.detach().clone(), requires_grad=False)
+    qsd = qmodel.state_dict()
+    for name, p in list(ref.named_parameters()):
+        if p.device.type == "meta":
+            mod_name, _, attr = name.rpartition(".")
+            setattr(ref.get_submodule(mod_name), attr, torch.nn.Parameter(qsd[name].clone(), requires_grad=False))
+    return ref.eval()

@@ -87,6 +87,18 @@ class ExpertsBuilder:
         q = self.fmt.quantize(w, name=where)
         self.pieces[(e, kind)] = w.clone() if q is None else q
 
+    def put_packed(self, e: int, kind: str, q: PackedWeight, key: str) -> None:
+        """An already-quantized piece (a pre-quantized checkpoint's per-expert weight)."""
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"{key}: expert index {e} out of range: the config declares {self.num_experts} experts")
+        if tuple(q.shape) != self.expected_shape(kind):
+            raise ValueError(f"{key}: quantized shape {list(q.shape)} does not match the config "
+                             f"(expected {list(self.expected_shape(kind))})")
+        self._check_open(key)
+        if (e, kind) in self.pieces:
+            raise ValueError(f"{key}: expert {e} {kind} given twice")
+        self.pieces[(e, kind)] = q
+
     def put_fused(self, param: str, get_slice, shape: tuple[int, ...], key: str) -> None:
         """A 3-D fused parameter; ``get_slice(e)`` returns expert e's 2-D slice in the model's layout."""
         want = tuple(getattr(self.module, param).shape)
@@ -129,9 +141,16 @@ class ExpertsBuilder:
             self.pieces.clear()
             self.built = True
             return self.module
-        cls = type(self.pieces[(0, "gate")])
-        w13 = cls.join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
-        w2 = cls.join([[self.pieces[(e, "down")]] for e in e_range])
+        kinds = {type(p) for p in self.pieces.values()}
+        if len(kinds) != 1:
+            raise ValueError(f"{self.name}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
+                             "every expert weight of one module must share a format")
+        cls = kinds.pop()
+        try:
+            w13 = cls.join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
+            w2 = cls.join([[self.pieces[(e, "down")]] for e in e_range])
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
         self.pieces.clear()
         self.built = True
         return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"))
@@ -156,6 +175,14 @@ def fill_experts_module(module: nn.Module, arch: Arch, gate_up: torch.Tensor, do
     if b13 is not None:
         module.gate_up_proj_bias = nn.Parameter(b13.contiguous(), requires_grad=False)
         module.down_proj_bias = nn.Parameter(b2.contiguous(), requires_grad=False)
+
+
+def existing_bias(linear: nn.Module, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias a replacement of ``linear`` should carry: the given one, else the module's own (possibly still on
+    the meta device, so an unfilled bias is reported at the end of loading)."""
+    if bias is not None:
+        return bias
+    return getattr(linear, "bias", None)
 
 
 def quantize_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: FormatConfig) -> QuantLinear:

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from moeq.arch import FUSED_KEY_RE, Arch, get_arch
 from moeq.config import QuantConfig
-from moeq.convert import ExpertsBuilder, activation_for, is_experts, quantize_linear, set_module
+from moeq.convert import ExpertsBuilder, activation_for, existing_bias, is_experts, quantize_linear, set_module
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
 from moeq.nn import Activation, QuantExperts, QuantLinear
@@ -133,8 +133,9 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
             raise ValueError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
         return _load_saved(path, ckpt, config, qc, dtype, progress)
     if qc:
-        raise ValueError(f"{path}: checkpoints quantized with quant_method={qc.get('quant_method')!r} are not "
-                         "supported by this version of moeq")
+        from moeq.prequant import load_prequantized  # noqa: PLC0415
+
+        return load_prequantized(path, ckpt, config, qc, quant, dtype, progress)
     return _load_streaming(path, ckpt, config, QuantConfig.of(quant or "none"), dtype, progress)
 
 
@@ -205,7 +206,7 @@ def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pen
             raise ValueError(f"{key}: shape {list(ckpt.tensors[key].shape)} does not match the config "
                              f"(expected {list(lin.weight.shape)})")
         w = ckpt.read(key).to(lin.weight.dtype)
-        bias = pending_bias.pop(mod_name, None)
+        bias = existing_bias(lin, pending_bias.pop(mod_name, None))
         set_module(model, mod_name, quantize_linear(mod_name, w, bias, linears.pop(mod_name)))
         return
     if mod_name in linears and attr == "bias":

@@ -14,7 +14,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         set_packed(self, "weight", weight)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # registered even when None, so a loader can fill it by name
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
 
     @property
     def qweight(self) -> PackedWeight:
