@@ -23,7 +23,19 @@ class Arch:
     interleaved: bool = False  # gate/up interleaved along the fused output dim (gpt-oss)
     activation: str = "glu"  # "glu": act(gate) * up with config.hidden_act; "gptoss": clamped swiglu
     keep: tuple[str, ...] = ()  # extra never-quantize module globs (beyond the default policy)
+    disk_renames: tuple[tuple[str, str], ...] = ()  # model names -> per-expert (transformers 4.x) on-disk names
+    per_expert_on_disk: bool = True  # the family's classic checkpoints hold one 2-D tensor per expert
     notes: str = ""
+
+    def to_disk(self, name: str) -> str:
+        for pat, rep in self.disk_renames:
+            name = re.sub(pat, rep, name)
+        return name
+
+    def disk_expert_key(self, experts_module: str, e: int, kind: str) -> str:
+        """The classic per-expert module name of expert ``e``'s ``kind`` (gate/up/down) projection."""
+        proj = self.expert_names[("gate", "up", "down").index(kind)]
+        return f"{self.to_disk(experts_module)}.{e}.{proj}"
 
     def rename(self, key: str) -> str:
         for pat, rep in self.renames:
@@ -42,9 +54,11 @@ class Arch:
 FUSED_KEY_RE = re.compile(r"^(?P<mod>.+\.experts)\.(?P<param>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 
 _TABLE: tuple[Arch, ...] = (
-    Arch(("mixtral", "minimax"), expert_names=("w1", "w3", "w2"), renames=((r"\.block_sparse_moe\.", ".mlp."),)),
+    Arch(("mixtral", "minimax"), expert_names=("w1", "w3", "w2"), renames=((r"\.block_sparse_moe\.", ".mlp."),),
+         disk_renames=((r"\.mlp\.", ".block_sparse_moe."),)),
     Arch(("phimoe",), expert_names=("w1", "w3", "w2"),
-         renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.gate\.weight$", ".mlp.router.weight"))),
+         renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.gate\.weight$", ".mlp.router.weight")),
+         disk_renames=((r"\.mlp\.router(\.|$)", r".mlp.gate\1"), (r"\.mlp\.", ".block_sparse_moe."))),
     Arch(("qwen2_moe",), notes="shared expert quantized; its sigmoid gate kept"),
     Arch(("qwen3_moe",)),
     Arch(("olmoe",)),
@@ -54,8 +68,8 @@ _TABLE: tuple[Arch, ...] = (
         (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
         (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
         (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight"),
-    ), notes="3-D fused experts on disk"),
-    Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss",
+    ), per_expert_on_disk=False, notes="3-D fused experts on disk"),
+    Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss", per_expert_on_disk=False,
          notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept"),
 )
 ARCHS: dict[str, Arch] = {mt: a for a in _TABLE for mt in a.model_types}

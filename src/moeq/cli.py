@@ -117,6 +117,21 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    import moeq
+    from moeq.export import export
+
+    model = moeq.load(args.model, progress=not args.json)
+    summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        kept = ", ".join(summary.get("kept_unquantized", [])[:6]) or "nothing"
+        print(f"wrote {summary['out']} ({args.format}): {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB; "
+              f"no value re-quantized; kept unquantized: {kept}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from moeq.demo import format_table, model_table, synthetic_stack
 
@@ -173,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
+
+    from moeq.export import EXPORTERS, bnb, compressed_tensors
+
+    e = sub.add_parser("export", help="write a moeq model for another engine",
+                       description="Formats: bnb = transformers+bitsandbytes layout (vLLM bitsandbytes, transformers "
+                       f"dense part; takes {bnb.SUPPORTS}); compressed-tensors = pack-quantized (vLLM Marlin/Triton "
+                       f"MoE, transformers; takes {compressed_tensors.SUPPORTS}). Exports are lossless.")
+    e.add_argument("model")
+    e.add_argument("out")
+    e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
+    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_export)
 
     d = sub.add_parser("demo", help="the built-in default job")
     d.add_argument("--arch", default="qwen3_moe")

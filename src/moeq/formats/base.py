@@ -115,6 +115,13 @@ class PackedWeight:
             tensors[n] = torch.stack([torch.cat([getattr(p, n) for p in g], 0) for g in groups])
         return dataclasses.replace(groups[0][0], **tensors, shape=shape)
 
+    def row_slice(self, start: int, stop: int) -> Self:
+        """Rows ``start:stop`` of a 2-D weight (e.g. the gate half of one expert's ``w13``), sharing storage."""
+        if len(self.shape) != 2:
+            raise ValueError(f"row_slice needs a 2-D weight, got shape {self.shape}")
+        return dataclasses.replace(self, **{n: t[start:stop] for n, t in self.tensors().items()},
+                                   shape=(stop - start, self.shape[1]))
+
     def to(self, device: torch.device | str) -> Self:
         return dataclasses.replace(self, **{n: t.to(device) for n, t in self.tensors().items()})
 

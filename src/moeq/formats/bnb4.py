@@ -79,6 +79,16 @@ class Bnb4Weight(PackedWeight):
         w = self.slice(slice(idx * k, (idx + 1) * k))
         return dataclasses.replace(w, shape=self.shape[1:])
 
+    def row_slice(self, start: int, stop: int) -> Bnb4Weight:
+        """Rows ``start:stop`` of a 2-D weight; they must be whole slices (blocks never cross a slice)."""
+        n, k = self.shape
+        per_rows = n // self.slices
+        if start % per_rows or stop % per_rows:
+            raise ValueError(f"rows {start}:{stop} of a bnb4 weight of shape {self.shape} with {self.slices} "
+                             f"slice(s) cross a slice boundary; its blocks cannot be split there")
+        w = self.slice(slice(start // per_rows, stop // per_rows))
+        return dataclasses.replace(w, shape=(stop - start, k))
+
     @classmethod
     def _join(cls, groups: list[list[Bnb4Weight]], shape: tuple[int, ...]) -> Bnb4Weight:
         pieces = [p for g in groups for p in g]

@@ -1,0 +1,39 @@
+"""Exporters: write a moeq model in a format a serving engine reads, losslessly, atomically.
+
+| format | consumers | takes |
+|---|---|---|
+| ``bnb`` | transformers + bitsandbytes (dense part), vLLM bitsandbytes, moeq | NF4/FP4 (double quant as stored), LLM.int8 |
+| ``compressed-tensors`` | vLLM (Marlin/Triton MoE), transformers, compressed_tensors | RTN int4/int8, sym/asym, group/row |
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+from moeq.arch import get_arch
+from moeq.export import bnb, compressed_tensors
+from moeq.io.writer import atomic_dir
+
+EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors}
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: bool = False,
+           source: str | os.PathLike | None = None) -> dict:
+    """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary."""
+    if format not in EXPORTERS:
+        raise ValueError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
+    arch = get_arch(model.config)
+    with atomic_dir(out, overwrite) as tmp:
+        summary = EXPORTERS[format].export(model, tmp, arch)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if source is not None:
+            for f in COPY_FILES:
+                if (Path(source) / f).exists() and not (tmp / f).exists():
+                    shutil.copy2(Path(source) / f, tmp / f)
+    return {"format": format, "out": str(out), **summary}
