@@ -132,6 +132,52 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from transformers import AutoTokenizer
+
+    import moeq
+    from moeq.eval import check_compatible, evaluate, tokenize
+
+    texts = []
+    for f in args.text:
+        try:
+            texts.append(Path(f).read_text(encoding="utf-8", errors="replace"))
+        except OSError as e:
+            raise FileNotFoundError(f"--text {f}: {e.strerror}") from None
+    tok, ref_tok = AutoTokenizer.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.ref)
+    quant = _quant_config(args) if args.method else None
+    model = moeq.load(args.model, quant=quant, dtype=_dtype(args.dtype), progress=not args.json)
+    ref = moeq.load(args.ref, dtype=_dtype(args.dtype), progress=not args.json)
+    check_compatible(model, ref, tok, ref_tok)
+    res = evaluate(model, ref, tokenize(tok, texts), ctx=args.ctx, max_tokens=args.max_tokens,
+                   progress=not args.json)
+    info = moeq.inspect(model)
+    out = res.to_dict() | {"bits_per_weight": info["bits_per_weight"],
+                           "quantized_bits_per_weight": info["quantized_bits_per_weight"]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"PPL {res.ppl:.3f} (reference {res.ref_ppl:.3f}); KL(ref||model) mean {res.mean_kl:.4g} nats, "
+              f"p99 {res.p99_kl:.4g}; top-1 agreement {res.top1:.2%}; {res.tokens} tokens in {res.windows} windows; "
+              f"{out['quantized_bits_per_weight']:.3f} bits/weight in quantized modules")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from moeq import bench
+
+    shape = dict(bench.QWEN3_30B_A3B, **({"vocab": args.vocab} if args.vocab else {}))
+    ckpt = Path(args.model) if args.model else bench.write_model(
+        Path(args.cache) / f"qwen3-30b-a3b-shape-{args.layers}L-v{shape['vocab']}", args.layers, shape)
+    res = bench.run(ckpt, args.systems, batches=tuple(args.batches), prefills=tuple(args.prefill),
+                    new_tokens=args.new_tokens)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print(bench.table(res))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from moeq.demo import format_table, model_table, synthetic_stack
 
@@ -201,6 +247,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_export)
+
+    ev = sub.add_parser("eval", help="perplexity, KL(ref||model) and top-1 agreement on real text")
+    ev.add_argument("model")
+    ev.add_argument("--ref", required=True, help="reference model (e.g. the bf16 source)")
+    ev.add_argument("--text", nargs="+", required=True)
+    ev.add_argument("--ctx", type=int, default=512)
+    ev.add_argument("--max-tokens", type=int, default=None)
+    method_args(ev, None)
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("bench", help="CPU speed side by side: transformers bf16, transformers+bnb, moeq presets")
+    b.add_argument("--model", help="checkpoint dir (default: Qwen3-30B-A3B shapes cut to --layers, generated once)")
+    b.add_argument("--layers", type=int, default=4)
+    b.add_argument("--vocab", type=int, default=None)
+    b.add_argument("--cache", default=str(Path.home() / ".cache" / "moeq-bench"))
+    b.add_argument("--systems", nargs="+", default=["transformers bf16", "transformers+bnb nf4", "moeq rtn-int4",
+                                                     "moeq rtn-int8", "moeq nf4"])
+    b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
+    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--out", default="benchmarks/results/cpu.json")
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the built-in default job")
     d.add_argument("--arch", default="qwen3_moe")

@@ -53,6 +53,8 @@ class RTN(FormatConfig):
     group_size: int = 128
     symmetric: bool = True
     grid: str = "vllm"
+    search: int = 0  # clip candidates tried per group (0: plain rounding)
+    refine: int = 0  # least-squares (scale, zero) rounds
     name: ClassVar[str] = "rtn"
 
     def __post_init__(self):
@@ -62,11 +64,13 @@ class RTN(FormatConfig):
             raise ValueError(f"unsupported RTN group_size {self.group_size}; valid choices: {list(rtn.GROUP_SIZES)}")
 
     def quantize(self, w, name=None, slices=None):
-        return rtn.quantize(w, self.bits, self.group_size, self.symmetric, self.grid, name=name)
+        return rtn.quantize(w, self.bits, self.group_size, self.symmetric, self.grid, name=name, search=self.search,
+                            refine=self.refine)
 
     def label(self) -> str:
         kind = "asym" if not self.symmetric else ("" if self.grid == "vllm" else self.grid)
-        return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}"
+        opt = (f"-s{self.search}" if self.search else "") + (f"-r{self.refine}" if self.refine else "")
+        return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}{opt}"
 
 
 @register
@@ -75,6 +79,7 @@ class BNB4(FormatConfig):
     quant_type: str = "nf4"
     blocksize: int = 64
     double_quant: bool = True
+    search: int = 0  # absmax candidates tried per block (0: bitsandbytes' plain absmax)
     name: ClassVar[str] = "bnb4"
 
     def __post_init__(self):
@@ -84,10 +89,12 @@ class BNB4(FormatConfig):
             raise ValueError(f"unsupported blocksize {self.blocksize}; valid choices: {list(bnb4.BLOCKSIZES)}")
 
     def quantize(self, w, name=None, slices=None):
-        return bnb4.quantize(w, self.quant_type, self.blocksize, self.double_quant, slices=slices, name=name)
+        return bnb4.quantize(w, self.quant_type, self.blocksize, self.double_quant, slices=slices, name=name,
+                             search=self.search)
 
     def label(self) -> str:
-        return f"{self.quant_type}-b{self.blocksize}{'-dq' if self.double_quant else ''}"
+        return f"{self.quant_type}-b{self.blocksize}{'-dq' if self.double_quant else ''}" + (
+            f"-s{self.search}" if self.search else "")
 
 
 def NF4(blocksize: int = 64, double_quant: bool = True) -> BNB4:
@@ -128,9 +135,11 @@ METHODS: dict[str, FormatConfig] = {
     "rtn-int4-asym": RTN(4, 128, symmetric=False),
     "rtn-int4-signed": RTN(4, 128, grid="signed"),
     "rtn-int8": RTN(8, 128),
+    "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),
     "nf4": NF4(),
+    "nf4-opt": BNB4("nf4", 64, True, search=20),
     "fp4": FP4(),
     "int8": Int8(),
     "none": Keep(),

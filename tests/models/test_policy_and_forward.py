@@ -46,6 +46,9 @@ def test_rules_override_policy(tiny_ckpt):
 
 def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     m = moeq.load(tiny_ckpt("olmoe", num_experts=8), quant="nf4", progress=False)
+    fused_counts = []
+    real_fused = experts_mod.moe_forward
+    monkeypatch.setattr(experts_mod, "moe_forward", lambda *a: fused_counts.append(a[-1]) or None)  # force per-expert
     used, shapes = [], []
     real_linear = experts_mod.expert_linear
     monkeypatch.setattr(experts_mod, "expert_linear", lambda w, e, x, b=None: used.append(e) or real_linear(w, e, x, b))
@@ -64,6 +67,15 @@ def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     assert len(used) == 2 * 2 * n_layers  # w13 and w2 of 2 experts per layer
     assert set(used[:4]) == set(routed[0])
     assert all(len(s) == 2 for s in shapes)  # never a whole [E, N, K] stack
+    # the fused native path gets exactly the same per-expert row counts (it skips experts with none)
+    assert [i for i, c in enumerate(fused_counts[0]) if c] == sorted(set(routed[0]))
+    monkeypatch.setattr(experts_mod, "moe_forward", real_fused)
+    with torch.no_grad():
+        fused_logits = m(ids).logits
+    monkeypatch.setattr(experts_mod, "moe_forward", lambda *a: None)
+    with torch.no_grad():
+        loop_logits = m(ids).logits
+    assert torch.allclose(fused_logits.float(), loop_logits.float(), atol=2e-2)
 
 
 def test_experts_forward_matches_dense_loop():

@@ -301,6 +301,24 @@ def _quantize_native(w, blocksize, bounds, order, packed, absmax) -> bool:
     return True
 
 
+def _quantize_search(w, blocksize, quant_type, candidates, packed, absmax, name) -> None:
+    """bnb4 with a searched (smaller) absmax per block; see :mod:`moeq.formats.search`. Whole blocks only."""
+    from moeq.formats.search import bnb4_absmax_search  # noqa: PLC0415
+
+    check_finite(w, name)
+    if (w.numel() // packed.shape[0]) % blocksize:
+        raise ValueError(f"tensor {name or '<unnamed>'}: absmax search needs whole blocks of {blocksize}")
+    bounds, order = _bounds(quant_type)
+    code_sorted = code4(quant_type)[order]
+    blocks, pb, ab = w.reshape(-1, blocksize), packed.view(-1, blocksize // 2), absmax.view(-1)
+    for a, b in row_chunks(blocks.shape[0], blocksize):
+        x = blocks[a:b].float()
+        am = bnb4_absmax_search(x, x.abs().amax(-1), code_sorted, bounds, candidates)
+        scaled = torch.clamp(x * (1.0 / am.clamp(min=1e-38)).unsqueeze(-1), -1, 1)
+        pb[a:b] = _codes_packed(scaled, bounds, order, quant_type)
+        ab[a:b] = am
+
+
 def _codes_packed(scaled: torch.Tensor, bounds: torch.Tensor, order: torch.Tensor, quant_type: str) -> torch.Tensor:
     """Scaled values ``[R, 2m]`` -> packed bytes ``[R, m]`` (nearest code, ties low; even element HIGH nibble)."""
     q = torch.bucketize(scaled, bounds, out_int32=True)
@@ -324,6 +342,7 @@ def quantize(
     slices: int | None = None,
     name: str | None = None,
     native: bool = True,
+    search: int = 0,
 ) -> Bnb4Weight:
     """Quantize ``w`` like ``bitsandbytes.functional.quantize_4bit(w_slice, blocksize, compress_statistics=
     double_quant, quant_type)`` for each of ``slices`` equal pieces (default: per leading index for ndim >= 3)."""
@@ -341,7 +360,9 @@ def quantize(
     bounds, order = _bounds(quant_type)
     packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8, device=w.device)
     absmax = torch.empty(slices, nb, dtype=torch.float32, device=w.device)
-    if native and n % blocksize == 0 and w.dtype in (torch.bfloat16, torch.float32) and _quantize_native(
+    if search:
+        _quantize_search(w, blocksize, quant_type, search, packed, absmax, name)
+    elif native and n % blocksize == 0 and w.dtype in (torch.bfloat16, torch.float32) and _quantize_native(
             w, blocksize, bounds, order, packed, absmax):
         if not torch.isfinite(absmax).all():  # the kernel marks blocks holding NaN/Inf
             check_finite(w, name)

@@ -116,9 +116,13 @@ def quantize(
     grid: str = "vllm",
     name: str | None = None,
     native: bool = True,
+    search: int = 0,
+    refine: int = 0,
 ) -> RTNWeight:
     """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors; ``native=False`` forces the
-    plain-torch path (the native kernel's ground truth; both give identical bytes)."""
+    plain-torch path (the native kernel's ground truth; both give identical bytes). ``search`` (number of clip
+    candidates) and ``refine`` (least-squares rounds) turn on the calibration-free improvements of
+    :mod:`moeq.formats.search`; the storage stays the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if group_size not in GROUP_SIZES:
@@ -132,7 +136,10 @@ def quantize(
     _groups(w, group_size, name)  # validates divisibility
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
-    if native and symmetric and grid == "vllm" and bits in (4, 8) and w.dtype in (torch.bfloat16, torch.float32):
+    if (search or refine) and symmetric and grid != "vllm":
+        raise ValueError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
+    if (native and not (search or refine) and symmetric and grid == "vllm" and bits in (4, 8)
+            and w.dtype in (torch.bfloat16, torch.float32)):
         native = _quantize_native(w, bits, gs)
         if native is not None:
             qdata, scale = native
@@ -146,7 +153,15 @@ def quantize(
     scale = torch.empty(rows.shape[0], k // gs, dtype=w.dtype, device=w.device)
     zero = None if symmetric else torch.empty(rows.shape[0], k // gs, dtype=torch.uint8, device=w.device)
     for a, b in row_chunks(rows.shape[0], k):  # cache-sized pieces: ~3x faster than whole-tensor passes
-        q, s, z = _quantize_rows(rows[a:b].unflatten(-1, (k // gs, gs)), bits, symmetric, grid)
+        g = rows[a:b].unflatten(-1, (k // gs, gs))
+        q, s, z = _quantize_rows(g, bits, symmetric, grid)
+        if search or refine:
+            from moeq.formats.search import rtn_search  # noqa: PLC0415
+
+            z0 = z.float() if z is not None else torch.full(s.shape, float(1 << (bits - 1)))
+            q, s, z2 = rtn_search(g.float(), bits, symmetric, w.dtype, (q, s.unsqueeze(-1), z0.unsqueeze(-1)),
+                                  candidates=search, refine=refine)
+            z = None if symmetric else z2.to(torch.uint8)
         qdata[a:b] = pack(q.flatten(-2), bits)
         scale[a:b] = s
         if zero is not None:

@@ -25,6 +25,19 @@ def _cache_dir() -> Path:
     return Path(base) / "moeq" / "kernels"
 
 
+def _cpu_flags() -> str:
+    """-march=native binaries are CPU-specific: key the cache by the CPU's feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform  # noqa: PLC0415
+
+    return platform.processor() or platform.machine()
+
+
 @functools.cache
 def lib() -> ctypes.CDLL | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -32,7 +45,7 @@ def lib() -> ctypes.CDLL | None:
         log.warning("no C compiler found: moeq uses its plain-torch CPU paths (slower)")
         return None
     src = SRC.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     so = _cache_dir() / f"libmoeq_cpu_{tag}.so"
     if not so.exists():
         so.parent.mkdir(parents=True, exist_ok=True)

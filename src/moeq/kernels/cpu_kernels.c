@@ -130,6 +130,32 @@ void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             const float s = load_scale(scale, scale_bf16, r * G + g);
             const float z = zero ? (float)zero[r * G + g] : half;
             const i64 o = r * K + g * gs;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            if (out_bf16 && bits == 4 && gs % 32 == 0) {
+                const uint8_t* qq = q + r * (K / 2) + g * gs / 2;
+                const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+                const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+                for (i64 j = 0; j < gs / 2; j += 16) {
+                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
+                    __m512 lo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), zv), sv);
+                    __m512 hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), zv), sv);
+                    __m512 a0 = _mm512_permutex2var_ps(lo, i0, hi), a1 = _mm512_permutex2var_ps(lo, i1, hi);
+                    _mm512_storeu_si512((void*)((uint16_t*)out + o + 2 * j), (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
+                }
+                continue;
+            }
+            if (out_bf16 && bits == 8 && gs % 32 == 0) {
+                const uint8_t* qq = q + r * K + g * gs;
+                const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+                for (i64 k = 0; k < gs; k += 32) {
+                    __m512 a0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + k)))), zv), sv);
+                    __m512 a1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + k + 16)))), zv), sv);
+                    _mm512_storeu_si512((void*)((uint16_t*)out + o + k), (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
+                }
+                continue;
+            }
+#endif
             if (bits == 8) {
                 const uint8_t* qq = q + r * K + g * gs;
                 if (out_bf16)
@@ -289,6 +315,22 @@ void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* 
         const float a = absmax[b];
         const uint8_t* p = packed + b * bs / 2;
         const i64 o = b * bs;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (out_bf16 && bs % 32 == 0) {
+            const __m512 tab = _mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(1.0f));
+            const __m512 av = _mm512_set1_ps(a);
+            const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            for (i64 j = 0; j < bs / 2; j += 16) {
+                __m512i bb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
+                __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bb, 4), tab), av);
+                __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bb, _mm512_set1_epi32(15)), tab), av);
+                __m512 a0 = _mm512_permutex2var_ps(hi, i0, lo), a1 = _mm512_permutex2var_ps(hi, i1, lo);
+                _mm512_storeu_si512((void*)((uint16_t*)out + o + 2 * j), (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
+            }
+            continue;
+        }
+#endif
         for (i64 j = 0; j < bs / 2; j++) {
             const float hi = code[p[j] >> 4] * a, lo = code[p[j] & 15] * a;
             if (out_bf16) {
@@ -385,6 +427,104 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
             float a = 0.f;
             for (i64 k = k0; k < K; k++) a += (float)ww[k] * x[m * K + k];
             y[m * N + n] = (out[m] + a) * s;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- fused MoE (decode) -----------------------------
+// One call per MoE layer for the token-expert pairs of a decode step: for each expert with rows, y = w2 @
+// act(w13 @ x) and out[token] += weight * y. Removes the per-expert Python dispatch that dominates small batches.
+typedef struct {
+    int fmt;                     // 0 = RTN, 1 = bnb4
+    const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
+    const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
+    int scale_bf16;              // RTN: scale is bf16; bnb4: absmax is uint8 (double quant)
+    const uint8_t* zero;         // RTN zero points [E, N, G] or NULL
+    int bits;                    // RTN bits (4 or 8)
+    i64 gs;                      // RTN group size / bnb4 blocksize
+    const float* code;           // bnb4 16-entry code
+    const float* offset;         // bnb4 double quant: [S]
+    const float* nested_absmax;  // bnb4 double quant: [S, ceil(nb/256)]
+    const float* nested_code;    // bnb4 double quant: [256]
+    i64 spe;                     // bnb4 slices per expert
+    i64 N, K;                    // one expert's weight shape
+} moeq_wstack;
+
+// y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
+static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K;
+    if (w->fmt == 0) {
+        const i64 G = K / w->gs;
+        float* xe = scratch;
+        float* xo = xe + m * K;
+        float* xs = xo + m * K;
+        for (i64 r = 0; r < m; r++) {
+            for (i64 g = 0; g < G; g++) {
+                float s = 0.f;
+                for (i64 k = 0; k < w->gs; k++) s += x[r * K + g * w->gs + k];
+                xs[r * G + g] = s;
+            }
+            if (w->bits == 4)
+                for (i64 j = 0; j < K / 2; j++) {
+                    xe[r * (K / 2) + j] = x[r * K + 2 * j];
+                    xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+                }
+        }
+        const i64 qb = N * K * w->bits / 8;
+        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        moeq_rtn_gemv(w->bits == 4 ? xe : x, xo, xs, m, w->q + e * qb, sc, w->scale_bf16,
+                      w->zero ? w->zero + e * N * G : NULL, w->bits, N, K, w->gs, y);
+    } else {
+        const i64 bs = w->gs, n = N * K / w->spe, nb = n / bs, nn = (nb + 255) / 256;
+        float* xe = scratch;
+        float* xo = xe + m * (K / 2);
+        float* am = xo + m * (K / 2);
+        for (i64 r = 0; r < m; r++)
+            for (i64 j = 0; j < K / 2; j++) {
+                xe[r * (K / 2) + j] = x[r * K + 2 * j];
+                xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+            }
+        for (i64 s = 0; s < w->spe; s++) {
+            const i64 S = e * w->spe + s;
+            for (i64 b = 0; b < nb; b++) {
+                float a;
+                if (w->scale_bf16) {
+                    const uint8_t c = ((const uint8_t*)w->scale)[S * nb + b];
+                    a = w->nested_code[c] * w->nested_absmax[S * nn + b / 256] + w->offset[S];
+                } else {
+                    a = ((const float*)w->scale)[S * nb + b];
+                }
+                am[s * nb + b] = a;
+            }
+        }
+        moeq_bnb4_gemv(xe, xo, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y);
+    }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out,
+                      float* scratch) {
+    // scratch: 8*H (x rows) + 8*2I (h) + 8*I (act) + 8*H (y) + gemv scratch (max of both)
+    float* xr = scratch;
+    float* h = xr + 8 * H;
+    float* a = h + 8 * 2 * I;
+    float* y = a + 8 * I;
+    float* gs = y + 8 * H;
+    for (i64 e = 0; e < E; e++) {
+        for (i64 p0 = expert_start[e]; p0 < expert_start[e + 1]; p0 += 8) {
+            const i64 m = expert_start[e + 1] - p0 < 8 ? expert_start[e + 1] - p0 : 8;
+            for (i64 r = 0; r < m; r++) memcpy(xr + r * H, x + pair_tok[p0 + r] * H, (size_t)H * sizeof(float));
+            expert_gemv(w13, e, xr, m, h, gs);
+            for (i64 r = 0; r < m; r++)
+                for (i64 i = 0; i < I; i++) a[r * I + i] = silu(h[r * 2 * I + i]) * h[r * 2 * I + I + i];
+            expert_gemv(w2, e, a, m, y, gs);
+            for (i64 r = 0; r < m; r++) {
+                const float wgt = pair_w[p0 + r];
+                float* o = out + pair_tok[p0 + r] * H;
+                for (i64 k = 0; k < H; k++) o[k] += wgt * y[r * H + k];
+            }
         }
     }
 }

@@ -16,6 +16,7 @@ from transformers.activations import ACT2FN
 
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear
+from moeq.kernels.moe_cpu import moe_forward
 from moeq.nn.packed import get_packed, set_packed
 
 
@@ -69,6 +70,10 @@ class QuantExperts(nn.Module):
         token_of = order // a  # [T*A]
         weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
         w13, w2 = self.w13, self.w2
+        if self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu":
+            fused = moe_forward(w13, w2, hidden_states, token_of, weight_of, counts)  # decode: one native call
+            if fused is not None:
+                return fused
         start = 0
         for e, n in enumerate(counts):
             if n == 0:

@@ -1,0 +1,240 @@
+"""``moeq bench``: one process, one model, side by side — transformers bf16, transformers + bitsandbytes NF4, and moeq
+presets — decode tok/s at batch 1/4/16, prefill tok/s, resident bytes, peak RSS, load seconds, and each moeq
+config's roofline (measured memory bandwidth / weight bytes read per decoded token)."""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Qwen3-30B-A3B's exact layer shapes, cut to a few layers (the issue's benchmark model).
+QWEN3_30B_A3B = dict(hidden=2048, experts=128, top_k=8, moe_inter=768, heads=32, kv_heads=4, head_dim=128,
+                     vocab=151936)
+
+
+def _presets():
+    import moeq  # noqa: PLC0415
+
+    return {
+        "moeq rtn-int4": moeq.QuantConfig(moeq.RTN(4, 128), rules={"lm_head": moeq.RTN(8, 128)}),
+        "moeq rtn-int8": moeq.QuantConfig(moeq.RTN(8, 128), rules={"lm_head": moeq.RTN(8, 128)}),
+        "moeq nf4": moeq.QuantConfig(moeq.NF4(), rules={"lm_head": moeq.RTN(8, 128)}),
+    }
+
+
+def write_model(out: Path, layers: int = 4, shape: dict = QWEN3_30B_A3B, seed: int = 0) -> Path:
+    """The benchmark checkpoint (random bf16, Qwen3-MoE format), written once, deterministically."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    if (out / "done").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    s = shape
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": s["hidden"],
+           "intermediate_size": 6144, "moe_intermediate_size": s["moe_inter"], "num_experts": s["experts"],
+           "num_experts_per_tok": s["top_k"], "num_hidden_layers": layers, "num_attention_heads": s["heads"],
+           "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "vocab_size": s["vocab"],
+           "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "norm_topk_prob": True,
+           "tie_word_embeddings": False, "dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "rope_theta": 1000000.0}
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shp):
+        return (torch.randn(*shp, generator=g) * 0.02).to(torch.bfloat16)
+
+    h, e, i, hd = s["hidden"], s["experts"], s["moe_inter"], s["head_dim"]
+    names = {}
+    for li in range(layers):
+        p = f"model.layers.{li}."
+        shard = {p + "self_attn.q_proj.weight": rnd(s["heads"] * hd, h),
+                 p + "self_attn.k_proj.weight": rnd(s["kv_heads"] * hd, h),
+                 p + "self_attn.v_proj.weight": rnd(s["kv_heads"] * hd, h),
+                 p + "self_attn.o_proj.weight": rnd(h, s["heads"] * hd),
+                 p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                 p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                 p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 p + "mlp.gate.weight": rnd(e, h)}
+        for x in range(e):
+            shard[p + f"mlp.experts.{x}.gate_proj.weight"] = rnd(i, h)
+            shard[p + f"mlp.experts.{x}.up_proj.weight"] = rnd(i, h)
+            shard[p + f"mlp.experts.{x}.down_proj.weight"] = rnd(h, i)
+        fname = f"model-layer{li:03d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        names.update({k: fname for k in shard})
+    shard = {"model.embed_tokens.weight": rnd(s["vocab"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+             "lm_head.weight": rnd(s["vocab"], h)}
+    save_file(shard, str(out / "model-embed.safetensors"), metadata={"format": "pt"})
+    names.update({k: "model-embed.safetensors" for k in shard})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "done").write_text("ok")
+    return out
+
+
+def reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # noqa: PLC0415
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_bandwidth(gb: float = 1.0, repeat: int = 5) -> float:
+    """Read bandwidth in bytes/s: best of a few sums over a buffer far larger than the caches."""
+    x = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def model_bytes(model: nn.Module) -> tuple[int, int]:
+    """(whole model, decoder layers) resident bytes of parameters and buffers."""
+    total = layers = 0
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        nb = t.numel() * t.element_size()
+        total += nb
+        if ".layers." in name:
+            layers += nb
+    return total, layers
+
+
+def bytes_per_token(model: nn.Module, top_k: int) -> float:
+    """Weight bytes a decoded token reads: every non-expert 2-D weight except the embedding table (one row), plus
+    top_k experts of each experts module (quantized or not)."""
+    from moeq.nn import QuantExperts  # noqa: PLC0415
+
+    total = 0.0
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantExperts):
+            total += (mod.w13.nbytes + mod.w2.nbytes) * top_k / mod.num_experts
+            continue
+        if name.endswith("experts") and hasattr(mod, "gate_up_proj"):
+            per = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+            total += per * top_k / mod.gate_up_proj.shape[0]
+            continue
+        if "experts" in name:
+            continue
+        for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            if "embed" in name:
+                continue
+            total += t.numel() * t.element_size()
+    emb = model.get_input_embeddings().weight
+    return total + emb.shape[1] * emb.element_size()
+
+
+@torch.no_grad()
+def decode_tps(model: nn.Module, batch: int, prompt: int = 32, new: int = 128) -> float:
+    ids = torch.randint(0, 1000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+    kw = dict(do_sample=False, pad_token_id=0)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    t1 = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+    t2 = time.perf_counter()
+    return batch * (new - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+@torch.no_grad()
+def prefill_tps(model: nn.Module, length: int) -> float:
+    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(length))
+    model(ids[:, :16])
+    t0 = time.perf_counter()
+    model(ids)
+    return length / (time.perf_counter() - t0)
+
+
+def run(ckpt: Path, systems: list[str], batches=(1, 4, 16), prefills=(512, 2048), new_tokens: int = 128,
+        top_k: int = 8) -> dict:
+    import moeq  # noqa: PLC0415
+
+    bw = memory_bandwidth()
+    presets = _presets()
+    results = {"checkpoint": str(ckpt), "memory_bandwidth_gbps": bw / 1e9, "threads": torch.get_num_threads(),
+               "systems": []}
+    for sysname in systems:
+        gc.collect()
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        if sysname == "transformers bf16":
+            from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+        elif sysname == "transformers+bnb nf4":
+            from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: PLC0415
+
+            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                     bnb_4bit_compute_dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, quantization_config=bnb).eval()
+        elif sysname in presets:
+            model = moeq.load(ckpt, quant=presets[sysname], progress=False)
+        else:
+            raise ValueError(f"unknown system {sysname!r}; valid: transformers bf16, transformers+bnb nf4, "
+                             f"{', '.join(presets)}")
+        load_s = time.perf_counter() - t0
+        total, layers = model_bytes(model)
+        row = {"system": sysname, "load_seconds": load_s, "model_bytes": total, "layer_bytes": layers}
+        for b in batches:
+            row[f"decode_tps_b{b}"] = decode_tps(model, b, new=new_tokens)
+            log.info("%s decode b%d: %.2f tok/s", sysname, b, row[f"decode_tps_b{b}"])
+        for n in prefills:
+            row[f"prefill_tps_{n}"] = prefill_tps(model, n)
+            log.info("%s prefill %d: %.1f tok/s", sysname, n, row[f"prefill_tps_{n}"])
+        bpt = bytes_per_token(model, top_k)
+        row["bytes_per_token"] = bpt
+        row["roofline_tps"] = bw / bpt
+        row["roofline_fraction_b1"] = row["decode_tps_b1"] / row["roofline_tps"]
+        row["peak_rss_bytes"] = peak_rss()
+        results["systems"].append(row)
+        del model
+    base = next((r for r in results["systems"] if r["system"] == "transformers bf16"), None)
+    if base:
+        for r in results["systems"]:
+            r["decode_b1_vs_bf16"] = r["decode_tps_b1"] / base["decode_tps_b1"]
+            for n in prefills:
+                r[f"prefill_{n}_vs_bf16"] = r[f"prefill_tps_{n}"] / base[f"prefill_tps_{n}"]
+            r["layer_bytes_vs_bf16"] = r["layer_bytes"] / base["layer_bytes"]
+    return results
+
+
+def table(results: dict) -> str:
+    rows = results["systems"]
+    bs = sorted({int(k.split("_b")[1]) for r in rows for k in r if k.startswith("decode_tps_b")})
+    ps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("prefill_tps_")})
+    head = (["system"] + [f"decode b{b} tok/s" for b in bs] + [f"prefill {p} tok/s" for p in ps]
+            + ["decode b1 × bf16", "roofline tok/s", "of roofline", "layers GB", "model GB", "peak RSS GB", "load s"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["system"]] + [f"{r[f'decode_tps_b{b}']:.1f}" for b in bs] + [f"{r[f'prefill_tps_{p}']:.0f}"
+                                                                               for p in ps]
+        cells += [f"{r.get('decode_b1_vs_bf16', float('nan')):.2f}", f"{r['roofline_tps']:.1f}",
+                  f"{r['roofline_fraction_b1']:.0%}", f"{r['layer_bytes'] / 1e9:.2f}", f"{r['model_bytes'] / 1e9:.2f}",
+                  f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['load_seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nmeasured memory bandwidth: {results['memory_bandwidth_gbps']:.1f} GB/s"

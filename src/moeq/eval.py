@@ -1,0 +1,93 @@
+"""``moeq.eval``: perplexity of a model and a reference, and how far the model's next-token distribution drifts from
+the reference's (per-token KL(ref || model), mean and p99; top-1 agreement), over sliding windows of real text.
+
+Windows of ``ctx`` tokens advance by ``ctx // 2``; the first window scores all its positions, later ones only their
+second half, so every token is scored once with at least ``ctx // 2`` tokens of context (the usual strided PPL)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+
+@dataclasses.dataclass
+class EvalResult:
+    ppl: float
+    ref_ppl: float
+    mean_kl: float
+    p99_kl: float
+    top1: float
+    tokens: int
+    windows: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def windows(n: int, ctx: int) -> list[tuple[int, int, int]]:
+    """(start, end, first scored position within the window) covering ``n`` tokens."""
+    if n < ctx + 1:
+        raise ValueError(f"text too short: {n} tokens, need at least ctx + 1 = {ctx + 1} for one window "
+                         f"(give more text or a smaller --ctx)")
+    stride = ctx // 2
+    out = [(0, ctx + 1, 0)]
+    start = stride
+    while start + ctx + 1 <= n:
+        out.append((start, start + ctx + 1, ctx - stride))
+        start += stride
+    return out
+
+
+def check_compatible(model: nn.Module, ref: nn.Module, tokenizer=None, ref_tokenizer=None) -> None:
+    vm, vr = model.config.get_text_config().vocab_size, ref.config.get_text_config().vocab_size
+    if vm != vr:
+        raise ValueError(f"vocabulary size mismatch: model {vm} vs reference {vr}; KL needs the same vocabulary")
+    if tokenizer is not None and ref_tokenizer is not None and tokenizer.get_vocab() != ref_tokenizer.get_vocab():
+        raise ValueError("tokenizer mismatch between MODEL and REF: their vocabularies differ, so token ids mean "
+                         "different things; evaluate models that share a tokenizer")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, ref: nn.Module, ids: torch.Tensor, ctx: int = 512, max_tokens: int | None = None,
+             progress: bool = True) -> EvalResult:
+    """Evaluate on token ids ``[n]`` (already tokenized, e.g. by :func:`tokenize`)."""
+    ids = ids.reshape(-1)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    check_compatible(model, ref)
+    wins = windows(ids.numel(), ctx)
+    nll = nll_ref = 0.0
+    kls, agree = [], 0
+    count = 0
+    for start, end, first in tqdm(wins, desc="eval", unit="window", disable=not progress):
+        x = ids[start:end].unsqueeze(0)
+        inp, tgt = x[:, :-1], x[0, 1:]
+        lp = torch.log_softmax(model(inp).logits[0, first:].float(), -1)
+        lr = torch.log_softmax(ref(inp).logits[0, first:].float(), -1)
+        t = tgt[first:]
+        nll -= lp.gather(-1, t[:, None]).sum().item()
+        nll_ref -= lr.gather(-1, t[:, None]).sum().item()
+        kl = (lr.exp() * (lr - lp)).sum(-1)
+        kls.append(kl)
+        agree += (lp.argmax(-1) == lr.argmax(-1)).sum().item()
+        count += t.numel()
+    kl = torch.cat(kls)
+    if not torch.isfinite(kl).all():
+        raise ValueError("non-finite KL: the model produced NaN/Inf logits")
+    return EvalResult(ppl=math.exp(nll / count), ref_ppl=math.exp(nll_ref / count), mean_kl=kl.mean().item(),
+                      p99_kl=torch.quantile(kl, 0.99).item() if kl.numel() < 2**24 else kl.sort().values[
+                          int(0.99 * (kl.numel() - 1))].item(),
+                      top1=agree / count, tokens=count, windows=len(wins))
+
+
+def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
+    """Concatenate documents (separated by the EOS token when the tokenizer has one) into one id stream."""
+    parts = []
+    for t in texts:
+        parts.append(torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=torch.long))
+        if tokenizer.eos_token_id is not None:
+            parts.append(torch.tensor([tokenizer.eos_token_id]))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

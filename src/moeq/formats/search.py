@@ -1,0 +1,90 @@
+"""Calibration-free improvements over plain rounding, all producing the same storage as plain RTN / bnb4 (so the
+same kernels and exporters serve them):
+
+- ``clip search``: per group, try ``n`` shrunken ranges (``alpha * absmax``, or ``alpha * [min, max]``) and keep the
+  one with the least squared reconstruction error (the grid search of llama.cpp's k-quants / AWQ-free "MSE clip");
+- ``refine``: alternate least squares on the group's (scale, zero) given its codes, then re-round the codes
+  (a data-free relative of HQQ's half-quadratic updates, restricted to the integer zero point the layout stores);
+- NF4/FP4 ``absmax`` search: bitsandbytes decodes ``code * absmax``; storing a smaller absmax per block clips the
+  outliers and spends the 16 codes on the bulk — bnb's format and decoder are unchanged.
+
+All work on fp32 ``[R, G, gs]`` groups and never increase the error of the plain-rounding start point.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _round_codes(g: torch.Tensor, s: torch.Tensor, z: torch.Tensor, maxq: int) -> torch.Tensor:
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    return ((g / safe).round() + z).clamp(0, maxq)
+
+
+def _err(g, q, s, z):
+    return (g - (q - z) * s).pow(2).sum(-1, keepdim=True)
+
+
+def rtn_search(g: torch.Tensor, bits: int, symmetric: bool, storage: torch.dtype, start: tuple,
+               candidates: int = 20, refine: int = 0, min_alpha: float = 0.5):
+    """Improve plain RTN of groups ``g [R, G, gs]`` (fp32). ``start`` = (codes, scale, zero) of plain RTN
+    (zero a tensor even when symmetric). Returns the best (codes, scale, zero) found, scale in ``storage`` dtype."""
+    maxq = (1 << bits) - 1
+    half = float(1 << (bits - 1))
+    q0, s0, z0 = start
+    best_q, best_s, best_z = q0.float(), s0.float(), z0.float()
+    best_e = _err(g, best_q, best_s, best_z)
+    lo = g.amin(-1, keepdim=True).clamp(max=0)
+    hi = g.amax(-1, keepdim=True).clamp(min=0)
+    amax = torch.maximum(-lo, hi)
+    for i in range(1, candidates + 1):
+        a = 1.0 - (1.0 - min_alpha) * i / candidates
+        if symmetric:
+            s = (a * amax * 2.0 / maxq).to(storage).float()
+            z = torch.full_like(s, half)
+        else:
+            s = (a * (hi - lo) / maxq).to(storage).float()
+            z = (-a * lo / torch.where(s == 0, torch.ones_like(s), s)).round().clamp(0, maxq)
+        q = _round_codes(g, s, z, maxq)
+        e = _err(g, q, s, z)
+        better = e < best_e
+        best_q, best_s, best_z, best_e = (torch.where(better, q, best_q), torch.where(better, s, best_s),
+                                          torch.where(better, z, best_z), torch.minimum(e, best_e))
+    for _ in range(refine):
+        q = best_q
+        if symmetric:
+            c = q - half
+            den = c.pow(2).sum(-1, keepdim=True)
+            s = torch.where(den > 0, (g * c).sum(-1, keepdim=True) / den.clamp(min=1e-30), best_s)
+            s = s.to(storage).float()
+            z = best_z
+        else:
+            qm, wm = q.mean(-1, keepdim=True), g.mean(-1, keepdim=True)
+            var = (q - qm).pow(2).mean(-1, keepdim=True)
+            s = torch.where(var > 0, ((q - qm) * (g - wm)).mean(-1, keepdim=True) / var.clamp(min=1e-30), best_s)
+            s = s.clamp(min=0).to(storage).float()
+            safe = torch.where(s == 0, torch.ones_like(s), s)
+            z = (qm - wm / safe).round().clamp(0, maxq)
+        q = _round_codes(g, s, z, maxq)
+        e = _err(g, q, s, z)
+        better = e < best_e
+        best_q, best_s, best_z, best_e = (torch.where(better, q, best_q), torch.where(better, s, best_s),
+                                          torch.where(better, z, best_z), torch.minimum(e, best_e))
+    return best_q.to(torch.uint8), best_s.to(storage).squeeze(-1), best_z.squeeze(-1)
+
+
+def bnb4_absmax_search(blocks: torch.Tensor, absmax: torch.Tensor, code_sorted: torch.Tensor, bounds: torch.Tensor,
+                       candidates: int = 20, min_alpha: float = 0.6) -> torch.Tensor:
+    """Per block of ``blocks [B, bs]`` (fp32), the stored absmax (<= the true one) minimizing the squared error of
+    bitsandbytes' nearest-code decoding. Returns fp32 ``[B]``."""
+    def err(am):
+        scaled = (blocks / am.clamp(min=1e-38)[:, None]).clamp(-1, 1)
+        q = torch.bucketize(scaled, bounds)
+        return (blocks - code_sorted[q] * am[:, None]).pow(2).sum(-1)
+
+    best, best_e = absmax.clone(), err(absmax)
+    for i in range(1, candidates + 1):
+        am = absmax * (1.0 - (1.0 - min_alpha) * i / candidates)
+        e = err(am)
+        better = e < best_e
+        best, best_e = torch.where(better, am, best), torch.minimum(e, best_e)
+    return best
