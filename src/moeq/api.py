@@ -12,7 +12,7 @@ from torch import nn
 
 from moeq.arch import get_arch
 from moeq.config import FormatConfig, QuantConfig
-from moeq.convert import ExpertsBuilder, activation_for, is_experts, quantize_linear, set_module
+from moeq.convert import ExpertsBuilder, activation_for, install_experts, is_experts, quantize_linear, set_module
 from moeq.formats import PackedWeight
 from moeq.io.writer import atomic_dir, write_shards
 from moeq.loader import quantization_config
@@ -42,7 +42,7 @@ def quantize_(model: nn.Module, config: QuantConfig | FormatConfig | str) -> nn.
             if b.has_bias:
                 b.put_bias("gate_up_proj", mod.gate_up_proj_bias.data, name)
                 b.put_bias("down_proj", mod.down_proj_bias.data, name)
-            set_module(model, name, b.build())
+            install_experts(model, name, b.build(), arch)
         elif isinstance(mod, nn.Linear) and fmt.name != "none":
             bias = None if mod.bias is None else mod.bias.data
             set_module(model, name, quantize_linear(name, mod.weight.data, bias, fmt))

@@ -25,6 +25,7 @@ class Arch:
     keep: tuple[str, ...] = ()  # extra never-quantize module globs (beyond the default policy)
     disk_renames: tuple[tuple[str, str], ...] = ()  # model names -> per-expert (transformers 4.x) on-disk names
     per_expert_on_disk: bool = True  # the family's classic checkpoints hold one 2-D tensor per expert
+    moe_adapter: str | None = None  # a block wrapper routing to the quantized experts (see moeq.convert.ADAPTERS)
     notes: str = ""
 
     def to_disk(self, name: str) -> str:
@@ -69,6 +70,8 @@ _TABLE: tuple[Arch, ...] = (
         (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
         (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight"),
     ), per_expert_on_disk=False, notes="3-D fused experts on disk"),
+    Arch(("llama4_text", "llama4"), transposed=True, per_expert_on_disk=False, moe_adapter="llama4",
+         notes="fused 3-D experts; routed-only forward (transformers runs all experts); shared expert quantized"),
     Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss", per_expert_on_disk=False,
          notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept"),
 )

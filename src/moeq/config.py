@@ -60,8 +60,9 @@ class RTN(FormatConfig):
     def __post_init__(self):
         if self.bits not in rtn.BITS:
             raise ValueError(f"unsupported RTN bits {self.bits}; valid choices: {list(rtn.BITS)}")
-        if self.group_size not in rtn.GROUP_SIZES:
-            raise ValueError(f"unsupported RTN group_size {self.group_size}; valid choices: {list(rtn.GROUP_SIZES)}")
+        if not rtn.valid_group_size(self.group_size):
+            raise ValueError(f"unsupported RTN group_size {self.group_size}; valid choices: a multiple of 16 up to "
+                             "4096 or -1")
 
     def quantize(self, w, name=None, slices=None):
         return rtn.quantize(w, self.bits, self.group_size, self.symmetric, self.grid, name=name, search=self.search,
@@ -202,3 +203,15 @@ class QuantConfig:
     def from_dict(d: dict[str, Any]) -> QuantConfig:
         return QuantConfig(FormatConfig.from_dict(d["default"]),
                            tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("rules", [])))
+
+
+def presets() -> dict[str, QuantConfig]:
+    """Mixed-precision presets, as rules (first match wins)."""
+    opt4 = RTN(4, 64, symmetric=False, search=20, refine=2)
+    eight = RTN(8, 64)
+    return {
+        # attention, shared experts and lm_head 8-bit; routed experts 4-bit with the calibration-free optimizer
+        "balanced": QuantConfig(opt4, rules={"*.self_attn.*": eight, "*shared_expert*": eight, "lm_head": eight}),
+        # everything 4-bit with the optimizer; lm_head 8-bit
+        "small": QuantConfig(opt4, rules={"lm_head": eight}),
+    }

@@ -10,7 +10,7 @@ from torch import nn
 from moeq.arch import Arch
 from moeq.config import FormatConfig, Keep
 from moeq.formats import PackedWeight
-from moeq.nn import Activation, QuantExperts, QuantLinear
+from moeq.nn import Activation, Llama4MoeAdapter, QuantExperts, QuantLinear
 
 KINDS = ("gate", "up", "down")
 
@@ -153,7 +153,8 @@ class ExpertsBuilder:
             raise ValueError(f"{self.name}: {err}") from None
         self.pieces.clear()
         self.built = True
-        return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"))
+        return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"),
+                            weight_on_input=self.arch.moe_adapter == "llama4")
 
 
 def fill_experts_module(module: nn.Module, arch: Arch, gate_up: torch.Tensor, down: torch.Tensor,
@@ -193,3 +194,17 @@ def quantize_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, 
 def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+ADAPTERS = {"llama4": Llama4MoeAdapter}
+
+
+def install_experts(root: nn.Module, name: str, new: nn.Module, arch: Arch) -> None:
+    """Put a built experts module in place; families whose block runs every expert get their block adapted."""
+    if arch.moe_adapter and isinstance(new, QuantExperts):
+        block_name = name.rpartition(".")[0]
+        block = root.get_submodule(block_name)
+        if not isinstance(block, tuple(ADAPTERS.values())):
+            set_module(root, block_name, ADAPTERS[arch.moe_adapter](block, new))
+            return
+    set_module(root, name, new)

@@ -91,3 +91,35 @@ def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
         if tokenizer.eos_token_id is not None:
             parts.append(torch.tensor([tokenizer.eos_token_id]))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate_many(models: dict[str, nn.Module], ref: nn.Module, ids: torch.Tensor, ctx: int = 512,
+                  max_tokens: int | None = None, progress: bool = True) -> dict[str, EvalResult]:
+    """:func:`evaluate` for several models against one reference, running the reference once per window."""
+    ids = ids.reshape(-1)[:max_tokens] if max_tokens else ids.reshape(-1)
+    for m in models.values():
+        check_compatible(m, ref)
+    wins = windows(ids.numel(), ctx)
+    acc = {k: {"nll": 0.0, "kl": [], "agree": 0} for k in models}
+    nll_ref, count = 0.0, 0
+    for start, end, first in tqdm(wins, desc="eval", unit="window", disable=not progress):
+        x = ids[start:end].unsqueeze(0)
+        inp, t = x[:, :-1], x[0, 1:][first:]
+        lr = torch.log_softmax(ref(inp).logits[0, first:].float(), -1)
+        nll_ref -= lr.gather(-1, t[:, None]).sum().item()
+        pr, top_r = lr.exp(), lr.argmax(-1)
+        for k, m in models.items():
+            lp = torch.log_softmax(m(inp).logits[0, first:].float(), -1)
+            a = acc[k]
+            a["nll"] -= lp.gather(-1, t[:, None]).sum().item()
+            a["kl"].append((pr * (lr - lp)).sum(-1))
+            a["agree"] += (lp.argmax(-1) == top_r).sum().item()
+        count += t.numel()
+    out = {}
+    for k, a in acc.items():
+        kl = torch.cat(a["kl"])
+        out[k] = EvalResult(ppl=math.exp(a["nll"] / count), ref_ppl=math.exp(nll_ref / count),
+                            mean_kl=kl.mean().item(), p99_kl=kl.sort().values[int(0.99 * (kl.numel() - 1))].item(),
+                            top1=a["agree"] / count, tokens=count, windows=len(wins))
+    return out

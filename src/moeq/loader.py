@@ -18,7 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from moeq.arch import FUSED_KEY_RE, Arch, get_arch
 from moeq.config import QuantConfig
-from moeq.convert import ExpertsBuilder, activation_for, existing_bias, is_experts, quantize_linear, set_module
+from moeq.convert import (
+    ExpertsBuilder, activation_for, existing_bias, install_experts, is_experts, quantize_linear, set_module,
+)
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
 from moeq.nn import Activation, QuantExperts, QuantLinear
@@ -182,7 +184,7 @@ def _build_if_complete(model, builders, mod: str) -> None:
     """Swap in an experts module as soon as all its pieces arrived: bounded memory (one module's pieces at a time)."""
     b = builders[mod]
     if not b.built and not b.missing():
-        set_module(model, mod, b.build())
+        install_experts(model, mod, b.build(), b.arch)
         release_memory()
 
 
@@ -233,6 +235,7 @@ def quantization_config(model: nn.Module, qcfg: QuantConfig) -> dict:
             if isinstance(mod, QuantExperts):
                 entry["activation"] = vars(mod.activation) | {}
                 entry["bias"] = mod.b13 is not None
+                entry["weight_on_input"] = mod.weight_on_input
             else:
                 entry["bias"] = mod.bias is not None
             modules[name] = entry
@@ -265,14 +268,16 @@ def _load_saved(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress:
             if entry.get("bias"):
                 b13, b2 = ckpt.mmap(f"{name}.b13"), ckpt.mmap(f"{name}.b2")
                 used.update({f"{name}.b13", f"{name}.b2"})
-            new = QuantExperts(slots["w13"], slots["w2"], Activation(**entry["activation"]), b13, b2)
+            new = QuantExperts(slots["w13"], slots["w2"], Activation(**entry["activation"]), b13, b2,
+                               weight_on_input=entry.get("weight_on_input", False))
         else:
             bias = None
             if entry.get("bias"):
                 bias = ckpt.mmap(f"{name}.bias")
                 used.add(f"{name}.bias")
             new = QuantLinear(slots["weight"], bias)
-        set_module(model, name, new)
+        install_experts(model, name, new, get_arch(config)) if entry["type"] == "experts" else set_module(
+            model, name, new)
     unused = []
     for key in ckpt.keys():
         if key in used:

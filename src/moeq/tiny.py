@@ -27,6 +27,8 @@ TINY: dict[str, dict] = {
     "jamba": dict(intermediate_size=128, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
                   attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8,
                   mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False),
+    "llama4_text": dict(intermediate_size=128, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
+                        head_dim=32, interleave_moe_layer_step=1),
     "gpt_oss": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                     sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
 }

@@ -49,3 +49,10 @@ def test_stack_and_errors():
         int8.Int8Weight.from_state_dict({"weight": torch.zeros(4, 8, dtype=torch.int8), "SCB": torch.ones(3)})
     sq = 10 * torch.log10(w[1:].pow(2).sum() / (w[1:] - q.dequantize(torch.float32)[1:]).pow(2).sum())
     assert sq > 38
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_dequant_equals_torch(dtype):
+    torch.manual_seed(3)
+    q = int8.quantize(torch.randn(3, 40, 256) * 0.05)
+    assert torch.equal(q.dequantize(dtype), q.dequantize_reference(dtype))

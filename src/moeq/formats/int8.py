@@ -27,6 +27,21 @@ class Int8Weight(PackedWeight):
         return dataclasses.replace(self, weight=self.weight[idx], scb=self.scb[idx], shape=self.shape[1:])
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if dtype in (torch.bfloat16, torch.float32):
+            from moeq.kernels import cpu  # noqa: PLC0415
+
+            L = cpu.lib()
+            if L is not None and cpu.usable(self.weight, self.scb) and torch.isfinite(self.scb).all():
+                out = torch.empty(self.shape, dtype=dtype)
+                k = self.shape[-1]
+                L.moeq_int8_dequant(cpu.ptr(self.weight), cpu.ptr(self.scb), cpu.i64(self.numel // k), cpu.i64(k),
+                                    cpu.ptr(out), int(dtype == torch.bfloat16))
+                return out
+        return self.dequantize_reference(dtype)
+
+    def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain-torch dequantization (the ground truth of the native kernel)."""
         k = self.shape[-1]
         w, s = self.weight.reshape(-1, k), self.scb.reshape(-1, 1)
         out = torch.empty(w.shape, dtype=dtype or self.dtype, device=w.device)

@@ -26,7 +26,11 @@ from moeq.formats.base import PackedWeight, check_finite, check_float, choice_er
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 
 BITS = (2, 3, 4, 8)
-GROUP_SIZES = (32, 64, 128, 256, -1)
+GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up to 4096 is accepted too
+
+
+def valid_group_size(gs: int) -> bool:
+    return gs == -1 or (16 <= gs <= 4096 and gs % 16 == 0)
 GRIDS = ("vllm", "signed")
 
 
@@ -125,8 +129,9 @@ def quantize(
     :mod:`moeq.formats.search`; the storage stays the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
-    if group_size not in GROUP_SIZES:
-        raise choice_error("RTN group_size", group_size, GROUP_SIZES)
+    if not valid_group_size(group_size):
+        raise ValueError(f"unsupported RTN group_size {group_size}; valid choices: a multiple of 16 up to 4096 "
+                         f"(e.g. {list(GROUP_SIZES[:-1])}) or -1 (one group per row)")
     if grid not in GRIDS:
         raise choice_error("RTN grid", grid, GRIDS)
     check_float(w, name)

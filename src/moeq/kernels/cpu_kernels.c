@@ -528,3 +528,22 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
         }
     }
 }
+
+// LLM.int8 dequantization: w * scb * (1/127) in fp32 (torch's order), rounded once to bf16 if asked.
+void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16) {
+    const float inv = 7.874015718698502e-3f;
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++) {
+        const float s = scb[r];
+        const int8_t* ww = w + r * K;
+        if (out_bf16) {
+            uint16_t* o = (uint16_t*)out + r * K;
+#pragma omp simd
+            for (i64 k = 0; k < K; k++) o[k] = f2bf_finite(((float)ww[k] * s) * inv);
+        } else {
+            float* o = (float*)out + r * K;
+#pragma omp simd
+            for (i64 k = 0; k < K; k++) o[k] = ((float)ww[k] * s) * inv;
+        }
+    }
+}

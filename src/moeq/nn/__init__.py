@@ -1,4 +1,4 @@
-from moeq.nn.experts import Activation, QuantExperts
+from moeq.nn.experts import Activation, Llama4MoeAdapter, QuantExperts
 from moeq.nn.linear import QuantLinear
 
-__all__ = ["Activation", "QuantExperts", "QuantLinear"]
+__all__ = ["Activation", "Llama4MoeAdapter", "QuantExperts", "QuantLinear"]

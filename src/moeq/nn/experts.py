@@ -39,8 +39,9 @@ class Activation:
 
 class QuantExperts(nn.Module):
     def __init__(self, w13: PackedWeight, w2: PackedWeight, activation: Activation,
-                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None):
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weight_on_input: bool = False):
         super().__init__()
+        self.weight_on_input = weight_on_input  # Llama 4 scales each expert's input by its router score
         self.num_experts, two_i, self.hidden_dim = w13.shape
         self.intermediate_dim = two_i // 2
         self.activation = activation
@@ -70,20 +71,48 @@ class QuantExperts(nn.Module):
         token_of = order // a  # [T*A]
         weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
         w13, w2 = self.w13, self.w2
+        if self.weight_on_input:
+            return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
         if self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu":
             fused = moe_forward(w13, w2, hidden_states, token_of, weight_of, counts)  # decode: one native call
             if fused is not None:
                 return fused
+        return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
+
+    def _forward_loop(self, hidden_states, token_of, weight_of, counts, w13, w2, out):
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
             x = hidden_states[rows]  # [n, H]
+            if self.weight_on_input:
+                x = x * weight_of[start:start + n, None].to(x.dtype)
             h = expert_linear(w13, e, x, None if self.b13 is None else self.b13[e])  # [n, 2I]
             h = self.activation(h[:, : self.intermediate_dim], h[:, self.intermediate_dim:])
             y = expert_linear(w2, e, h, None if self.b2 is None else self.b2[e])  # [n, H]
-            y = y * weight_of[start:start + n, None]
+            if not self.weight_on_input:
+                y = y * weight_of[start:start + n, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += n
         return out
+
+
+class Llama4MoeAdapter(nn.Module):
+    """Llama 4's MoE block with quantized experts: transformers runs every expert on every token (scores of
+    unrouted experts are 0); this runs only the top-k, scaling each expert's input by its sigmoid score as Llama 4
+    does, and returns ``(out, router_logits)`` like ``Llama4TextMoe``."""
+
+    def __init__(self, block: nn.Module, experts: QuantExperts):
+        super().__init__()
+        self.top_k, self.hidden_dim = block.top_k, block.hidden_dim
+        self.router, self.shared_expert, self.experts = block.router, block.shared_expert, experts
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)  # [T, H]
+        logits = nn.functional.linear(hidden_states, self.router.weight, self.router.bias)  # [T, E]
+        top_v, top_i = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.sigmoid(top_v.float()).to(hidden_states.dtype)  # [T, A]
+        out = self.shared_expert(hidden_states)
+        out.add_(self.experts(hidden_states, top_i, scores))
+        return out, logits

@@ -1,0 +1,100 @@
+"""Accuracy of calibration-free methods on real trained weights: the MoEfied SmolLM2 fixture of ../shared/fixtures
+(build it with ../shared/fixtures/build_smollm2_moe.sh), held-out Austen text (last 10% of each book, which the
+fixture's router never saw). One run, one reference pass per window for all methods.
+
+Experts and attention are quantized (default policy: router, embeddings, lm_head kept). The fixture's dims
+(hidden 576, expert 192) are not multiples of 128, so the "128" column uses group 192 (576 = 3 x 192), the
+nearest size dividing every dim; bnb blocks of 128 run over the flattened tensor as bitsandbytes does.
+
+    python benchmarks/bench_accuracy.py [--model DIR] [--max-tokens 6144] [--ctx 512]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import moeq
+from moeq.config import BNB4, FP4, NF4, RTN, Int8, QuantConfig, presets
+from moeq.eval import evaluate_many, tokenize
+
+HERE = Path(__file__).parent
+DATA = HERE.parent.parent / "shared" / "data"
+
+
+def methods() -> dict[str, QuantConfig]:
+    m = {
+        "vLLM RTN-int4 sym g64": RTN(4, 64), "vLLM RTN-int4 sym g192": RTN(4, 192),
+        "RTN-int4 asym g64": RTN(4, 64, False), "RTN-int4 asym g192": RTN(4, 192, False),
+        "RTN-int4 signed g64": RTN(4, 64, grid="signed"),
+        "RTN-int4 sym g64 +clip": RTN(4, 64, search=20),
+        "RTN-int4 asym g64 +clip+refine": RTN(4, 64, False, search=20, refine=2),
+        "RTN-int4 asym g192 +clip+refine": RTN(4, 192, False, search=20, refine=2),
+        "NF4 b64 dq": NF4(64, True), "NF4 b128 dq": NF4(128, True),
+        "NF4 b64 dq +absmax search": BNB4("nf4", 64, True, search=20),
+        "FP4 b64 dq": FP4(64, True), "FP4 b128 dq": FP4(128, True),
+        "RTN-int8 g64": RTN(8, 64), "RTN-int8 g192": RTN(8, 192), "LLM.int8": Int8(),
+        "RTN-int3 asym g64": RTN(3, 64, False), "RTN-int3 asym g64 +clip+refine": RTN(3, 64, False, search=20, refine=2),
+        "preset balanced": presets()["balanced"],
+        "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
+    }
+    return {k: QuantConfig.of(v) for k, v in m.items()}
+
+
+def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
+    out = []
+    for f in files:
+        t = f.read_text(encoding="utf-8", errors="replace")
+        out.append(t[int(len(t) * (1 - frac)):])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(Path.home() / ".cache" / "moeq-fixtures-out" / "smollm2-moe"))
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=6144)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--out", default=str(HERE / "results" / "accuracy.json"))
+    args = ap.parse_args()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    ids = tokenize(tok, heldout_text(sorted(DATA.glob("text_*.txt"))))
+    ref = moeq.load(args.model, progress=False)
+    models, rows = {}, {}
+    for name, cfg in methods().items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.perf_counter()
+        m = moeq.load(args.model, quant=cfg, progress=False)
+        secs = time.perf_counter() - t0
+        info = moeq.inspect(m)
+        models[name] = m
+        rows[name] = {"method": name, "quantize_seconds": secs, "bits_per_weight": info["quantized_bits_per_weight"],
+                      "quantized_params": info["quantized_params"],
+                      "quantize_gbps": info["quantized_params"] * 2 / secs / 1e9}
+    res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens)
+    for k, r in res.items():
+        rows[k].update(r.to_dict())
+    base = rows.get("vLLM RTN-int4 sym g192")
+    for r in rows.values():
+        if base:
+            r["kl_vs_vllm_g192"] = r["mean_kl"] / base["mean_kl"]
+    out = {"model": args.model, "ctx": args.ctx, "tokens": next(iter(res.values())).tokens,
+           "ref_ppl": next(iter(res.values())).ref_ppl, "rows": list(rows.values())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"reference (bf16) PPL {out['ref_ppl']:.3f} on {out['tokens']} held-out tokens, ctx {args.ctx}\n")
+    print("| method | bits/weight | PPL | mean KL | p99 KL | top-1 | KL × vLLM g192 | quantize s (GB/s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows.values():
+        print(f"| {r['method']} | {r['bits_per_weight']:.3f} | {r['ppl']:.3f} | {r['mean_kl']:.4f} | "
+              f"{r['p99_kl']:.3f} | {r['top1']:.2%} | {r.get('kl_vs_vllm_g192', float('nan')):.2f} | "
+              f"{r['quantize_seconds']:.1f} ({r['quantize_gbps']:.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
