@@ -25,7 +25,7 @@ def _err(g, q, s, z):
 
 
 def rtn_search(g: torch.Tensor, bits: int, symmetric: bool, storage: torch.dtype, start: tuple,
-               candidates: int = 20, refine: int = 0, min_alpha: float = 0.5):
+               candidates: int = 20, refine: int = 0, min_alpha: float = 0.8):
     """Improve plain RTN of groups ``g [R, G, gs]`` (fp32). ``start`` = (codes, scale, zero) of plain RTN
     (zero a tensor even when symmetric). Returns the best (codes, scale, zero) found, scale in ``storage`` dtype."""
     maxq = (1 << bits) - 1
