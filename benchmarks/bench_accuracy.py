@@ -15,7 +15,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 import moeq

@@ -58,7 +58,7 @@ def main():
            "machine": platform.processor() or platform.machine(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"| format | quantize GB/s | dequantize GB/s | quantize × bnb | dequantize × bnb |")
+    print("| format | quantize GB/s | dequantize GB/s | quantize × bnb | dequantize × bnb |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['format']} | {r['quantize_gbps']:.2f} | {r['dequantize_gbps']:.2f} | "

@@ -117,7 +117,7 @@ def main():
                load_gbps=res["checkpoint_bytes"] / res["seconds"] / 1e9, generate_seconds=gen_s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"| method | bf16 checkpoint | quantized model | largest tensor | bound | peak RSS | within | load |")
+    print("| method | bf16 checkpoint | quantized model | largest tensor | bound | peak RSS | within | load |")
     print("|---|---|---|---|---|---|---|---|")
     print(f"| {args.method} | {res['checkpoint_bytes'] / 1e9:.2f} GB | {res['model_bytes'] / 1e9:.2f} GB | "
           f"{res['largest_tensor_bytes'] / 1e9:.3f} GB | {bound / 1e9:.2f} GB | {peak / 1e9:.2f} GB | "

@@ -40,10 +40,6 @@ def dequantized_reference(qmodel, src, dtype):
     return ref
 
 
-def packed_state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def dequantized_clone(qmodel):
     """A plain transformers model (built from qmodel's config) holding qmodel's weights dequantized."""
     import copy

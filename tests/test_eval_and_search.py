@@ -12,7 +12,7 @@ from moeq.metrics import sqnr_db
 
 
 def heavy(shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     return (torch.distributions.StudentT(3.0).sample(shape) * 0.02).to(torch.bfloat16)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -14,14 +13,11 @@ from moeq.arch import get_arch
 from moeq.config import FormatConfig, QuantConfig
 from moeq.convert import ExpertsBuilder, activation_for, install_experts, is_experts, quantize_linear, set_module
 from moeq.formats import PackedWeight
-from moeq.io.writer import atomic_dir, write_shards
+from moeq.io.writer import atomic_dir, copy_side_files, write_shards
 from moeq.loader import quantization_config
-from moeq.nn import QuantExperts, QuantLinear
 from moeq.nn.packed import get_packed
 
 log = logging.getLogger(__name__)
-COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-              "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
 @torch.no_grad()
@@ -76,10 +72,7 @@ def save(model: nn.Module, out: str | os.PathLike, overwrite: bool = False, sour
             cfg_path.write_text(json.dumps(cfg, indent=2))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        if source is not None:
-            for f in COPY_FILES:
-                if (Path(source) / f).exists() and not (tmp / f).exists():
-                    shutil.copy2(Path(source) / f, tmp / f)
+        copy_side_files(source, tmp)
     return out
 
 

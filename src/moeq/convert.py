@@ -73,30 +73,26 @@ class ExpertsBuilder:
     def expected_shape(self, kind: str) -> tuple[int, int]:
         return (self.hidden, self.inter) if kind == "down" else (self.inter, self.hidden)
 
-    def put(self, e: int, kind: str, w: torch.Tensor, key: str = "") -> None:
-        where = key or f"{self.name}[{e}].{kind}"
+    def _check_piece(self, e: int, kind: str, shape, where: str) -> None:
         if not 0 <= e < self.num_experts:
             raise ValueError(f"{where}: expert index {e} out of range: the config declares {self.num_experts} experts")
-        if tuple(w.shape) != self.expected_shape(kind):
-            raise ValueError(f"{where}: shape {list(w.shape)} does not match the config "
+        if tuple(shape) != self.expected_shape(kind):
+            raise ValueError(f"{where}: shape {list(shape)} does not match the config "
                              f"(expected {list(self.expected_shape(kind))})")
         self._check_open(where)
         if (e, kind) in self.pieces:
             raise ValueError(f"{where}: expert {e} {kind} given twice")
+
+    def put(self, e: int, kind: str, w: torch.Tensor, key: str = "") -> None:
+        where = key or f"{self.name}[{e}].{kind}"
+        self._check_piece(e, kind, w.shape, where)
         w = w.to(self.dtype)
         q = self.fmt.quantize(w, name=where)
         self.pieces[(e, kind)] = w.clone() if q is None else q
 
     def put_packed(self, e: int, kind: str, q: PackedWeight, key: str) -> None:
         """An already-quantized piece (a pre-quantized checkpoint's per-expert weight)."""
-        if not 0 <= e < self.num_experts:
-            raise ValueError(f"{key}: expert index {e} out of range: the config declares {self.num_experts} experts")
-        if tuple(q.shape) != self.expected_shape(kind):
-            raise ValueError(f"{key}: quantized shape {list(q.shape)} does not match the config "
-                             f"(expected {list(self.expected_shape(kind))})")
-        self._check_open(key)
-        if (e, kind) in self.pieces:
-            raise ValueError(f"{key}: expert {e} {kind} given twice")
+        self._check_piece(e, kind, q.shape, key)
         self.pieces[(e, kind)] = q
 
     def put_fused(self, param: str, get_slice, shape: tuple[int, ...], key: str) -> None:

@@ -214,13 +214,17 @@ def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pen
     if mod_name in linears and attr == "bias":
         pending_bias[mod_name] = ckpt.read(key).to(model.get_submodule(mod_name).weight.dtype)
         return
+    _set_or_note_unused(model, name, ckpt.read(key), key, unused)
+
+
+def _set_or_note_unused(model: nn.Module, name: str, t: torch.Tensor, key: str, unused: list[str]) -> None:
+    """Set a plain tensor; a key the model has no place for is collected (reported at the end), not fatal here."""
     try:
-        _set_tensor(model, name, ckpt.read(key), key)
+        _set_tensor(model, name, t, key)
     except ValueError as e:
-        if "unexpected key" in str(e):
-            unused.append(key)
-        else:
+        if "unexpected key" not in str(e):
             raise
+        unused.append(key)
 
 
 def quantization_config(model: nn.Module, qcfg: QuantConfig) -> dict:
@@ -280,14 +284,7 @@ def _load_saved(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress:
             model, name, new)
     unused = []
     for key in ckpt.keys():
-        if key in used:
-            continue
-        try:
-            _set_tensor(model, key, ckpt.mmap(key), key)
-        except ValueError as e:
-            if "unexpected key" in str(e):
-                unused.append(key)
-            else:
-                raise
+        if key not in used:
+            _set_or_note_unused(model, key, ckpt.mmap(key), key, unused)
     _load_generation_config(model, path)
     return _finish(model, unused, config)

@@ -8,18 +8,14 @@
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
 from torch import nn
 
 from moeq.arch import get_arch
 from moeq.export import bnb, compressed_tensors
-from moeq.io.writer import atomic_dir
+from moeq.io.writer import atomic_dir, copy_side_files
 
 EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors}
-COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-              "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
 def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: bool = False,
@@ -32,8 +28,5 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
         summary = EXPORTERS[format].export(model, tmp, arch)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        if source is not None:
-            for f in COPY_FILES:
-                if (Path(source) / f).exists() and not (tmp / f).exists():
-                    shutil.copy2(Path(source) / f, tmp / f)
+        copy_side_files(source, tmp)
     return {"format": format, "out": str(out), **summary}

@@ -122,7 +122,6 @@ class Bnb4Weight(PackedWeight):
         n = self.numel // s
         bs = self.blocksize
         absmax = self.resolved_absmax()
-        nb = absmax.shape[1]
         dtype = dtype or self.dtype
         if n % bs == 0 and dtype in (torch.bfloat16, torch.float32):
             out = self._dequantize_native(absmax, dtype)

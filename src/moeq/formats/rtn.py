@@ -228,7 +228,3 @@ def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):
         s = torch.where(s == 0, 1.0, s)
         q = ((g.float() / s).round() + half).clamp(0, maxq)
     return q.to(torch.uint8), scale.squeeze(-1), zero
-
-
-def expected_qdata_shape(shape: tuple[int, ...], bits: int) -> tuple[int, ...]:
-    return (*shape[:-1], packed_size(shape[-1], bits))

@@ -14,6 +14,17 @@ import torch
 from safetensors.torch import save_file
 
 SHARD_BYTES = 4 * 1024**3
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def copy_side_files(source: str | os.PathLike | None, out: Path) -> None:
+    """Tokenizer and generation files travel with the weights (never overwriting what ``out`` already has)."""
+    if source is None:
+        return
+    for f in SIDE_FILES:
+        if (Path(source) / f).exists() and not (out / f).exists():
+            shutil.copy2(Path(source) / f, out / f)
 
 
 @contextlib.contextmanager

@@ -2,9 +2,7 @@
 safetensors see them), its metadata as a plain attribute. Buffer names are ``{slot}_{field}``."""
 from __future__ import annotations
 
-from typing import Any
 
-import torch
 from torch import nn
 
 from moeq.formats import WEIGHT_TYPES, PackedWeight
@@ -29,16 +27,3 @@ def get_packed(module: nn.Module, slot: str) -> PackedWeight:
     cls = WEIGHT_TYPES[meta.pop("format")]
     tensors = {f: module._buffers.get(f"{slot}_{f}") for f in cls.tensor_names()}
     return cls.from_parts(tensors, meta)
-
-
-def packed_meta(module: nn.Module) -> dict[str, dict[str, Any]]:
-    return dict(getattr(module, "_packed_meta", {}))
-
-
-def empty_packed_like(meta: dict[str, Any], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> PackedWeight:
-    """A packed weight of the given metadata whose tensors are empty placeholders on the meta device (filled by the
-    loader)."""
-    m = dict(meta)
-    cls = WEIGHT_TYPES[m.pop("format")]
-    tensors = {f: torch.empty(s, dtype=d, device="meta") for f, (s, d) in shapes.items()}
-    return cls.from_parts(tensors, m)
