@@ -35,6 +35,7 @@ def methods() -> dict[str, QuantConfig]:
         "RTN-int4 asym g192 +clip+refine": RTN(4, 192, False, search=20, refine=2),
         "NF4 b64 dq": NF4(64, True), "NF4 b128 dq": NF4(128, True),
         "NF4 b64 dq +absmax search": BNB4("nf4", 64, True, search=20),
+        "NF4 b32 dq": NF4(32, True), "NF4 b32 dq +absmax search": BNB4("nf4", 32, True, search=20),
         "FP4 b64 dq": FP4(64, True), "FP4 b128 dq": FP4(128, True),
         "RTN-int8 g64": RTN(8, 64), "RTN-int8 g192": RTN(8, 192), "LLM.int8": Int8(),
         "RTN-int3 asym g64": RTN(3, 64, False), "RTN-int3 asym g64 +clip+refine": RTN(3, 64, False, search=20, refine=2),

@@ -140,7 +140,7 @@ METHODS: dict[str, FormatConfig] = {
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),
     "nf4": NF4(),
-    "nf4-opt": BNB4("nf4", 64, True, search=20),
+    "nf4-opt": BNB4("nf4", 32, True, search=20),
     "fp4": FP4(),
     "int8": Int8(),
     "none": Keep(),
