@@ -19,13 +19,14 @@ QWEN3_30B_A3B = dict(hidden=2048, experts=128, top_k=8, moe_inter=768, heads=32,
                      vocab=151936)
 
 
-def _presets():
+def _presets(group_size: int = 128):
     import moeq  # noqa: PLC0415
 
+    gs = group_size
     return {
-        "moeq rtn-int4": moeq.QuantConfig(moeq.RTN(4, 128), rules={"lm_head": moeq.RTN(8, 128)}),
-        "moeq rtn-int8": moeq.QuantConfig(moeq.RTN(8, 128), rules={"lm_head": moeq.RTN(8, 128)}),
-        "moeq nf4": moeq.QuantConfig(moeq.NF4(), rules={"lm_head": moeq.RTN(8, 128)}),
+        "moeq rtn-int4": moeq.QuantConfig(moeq.RTN(4, gs), rules={"lm_head": moeq.RTN(8, gs)}),
+        "moeq rtn-int8": moeq.QuantConfig(moeq.RTN(8, gs), rules={"lm_head": moeq.RTN(8, gs)}),
+        "moeq nf4": moeq.QuantConfig(moeq.NF4(), rules={"lm_head": moeq.RTN(8, gs)}),
     }
 
 
@@ -171,11 +172,11 @@ def prefill_tps(model: nn.Module, length: int) -> float:
 
 
 def run(ckpt: Path, systems: list[str], batches=(1, 4, 16), prefills=(512, 2048), new_tokens: int = 128,
-        top_k: int = 8) -> dict:
+        top_k: int = 8, group_size: int = 128) -> dict:
     import moeq  # noqa: PLC0415
 
     bw = memory_bandwidth()
-    presets = _presets()
+    presets = _presets(group_size)
     results = {"checkpoint": str(ckpt), "memory_bandwidth_gbps": bw / 1e9, "threads": torch.get_num_threads(),
                "systems": []}
     for sysname in systems:
@@ -206,7 +207,8 @@ def run(ckpt: Path, systems: list[str], batches=(1, 4, 16), prefills=(512, 2048)
         for n in prefills:
             row[f"prefill_tps_{n}"] = prefill_tps(model, n)
             log.info("%s prefill %d: %.1f tok/s", sysname, n, row[f"prefill_tps_{n}"])
-        bpt = bytes_per_token(model, top_k)
+        k = getattr(model.config.get_text_config(), "num_experts_per_tok", None) or top_k
+        bpt = bytes_per_token(model, k)
         row["bytes_per_token"] = bpt
         row["roofline_tps"] = bw / bpt
         row["roofline_fraction_b1"] = row["decode_tps_b1"] / row["roofline_tps"]

@@ -170,7 +170,7 @@ def cmd_bench(args) -> int:
     ckpt = Path(args.model) if args.model else bench.write_model(
         Path(args.cache) / f"qwen3-30b-a3b-shape-{args.layers}L-v{shape['vocab']}", args.layers, shape)
     res = bench.run(ckpt, args.systems, batches=tuple(args.batches), prefills=tuple(args.prefill),
-                    new_tokens=args.new_tokens)
+                    new_tokens=args.new_tokens, group_size=args.group_size)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -268,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     b.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
     b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--group-size", type=int, default=128, help="RTN group of the moeq presets")
     b.add_argument("--out", default="benchmarks/results/cpu.json")
     b.set_defaults(func=cmd_bench)
 
