@@ -156,4 +156,7 @@ def test_native_kernels_equal_torch(bits, gs, dtype):
     for out in (torch.bfloat16, torch.float32):
         assert torch.equal(a.dequantize(out), a.dequantize_reference(out))
     asym = rtn.quantize(w, bits, gs, symmetric=False)
+    asym_ref = rtn.quantize(w, bits, gs, symmetric=False, native=False)
+    for n in ("qdata", "scale", "zero"):
+        assert torch.equal(getattr(asym, n), getattr(asym_ref, n)), n
     assert torch.equal(asym.dequantize(torch.bfloat16), asym.dequantize_reference(torch.bfloat16))

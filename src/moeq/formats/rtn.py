@@ -143,15 +143,15 @@ def quantize(
     gs = k if group_size == -1 else group_size
     if (search or refine) and symmetric and grid != "vllm":
         raise ValueError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
-    if (native and not (search or refine) and symmetric and grid == "vllm" and bits in (4, 8)
-            and w.dtype in (torch.bfloat16, torch.float32)):
-        native = _quantize_native(w, bits, gs)
+    if (native and not (search or refine) and (grid == "vllm" or not symmetric) and bits in (4, 8)
+            and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
+        native = _quantize_native(w, bits, gs, symmetric)
         if native is not None:
-            qdata, scale = native
+            qdata, scale, zero = native
             if not torch.isfinite(scale).all():  # the kernel marks groups holding NaN/Inf
                 check_finite(w, name)
-            return RTNWeight(qdata=qdata, scale=scale, zero=None, bits=bits, group_size=group_size, grid="vllm",
-                             shape=tuple(w.shape), dtype=w.dtype)
+            return RTNWeight(qdata=qdata, scale=scale, zero=zero, bits=bits, group_size=group_size,
+                             grid="vllm" if symmetric else "asym", shape=tuple(w.shape), dtype=w.dtype)
     check_finite(w, name)
     rows = w.reshape(-1, k)
     qdata = torch.empty(rows.shape[0], packed_size(k, bits), dtype=torch.uint8, device=w.device)
@@ -184,7 +184,7 @@ def quantize(
     )
 
 
-def _quantize_native(w: torch.Tensor, bits: int, gs: int):
+def _quantize_native(w: torch.Tensor, bits: int, gs: int, symmetric: bool = True):
     from moeq.kernels import cpu  # noqa: PLC0415
 
     L = cpu.lib()
@@ -195,9 +195,14 @@ def _quantize_native(w: torch.Tensor, bits: int, gs: int):
     rows = w.numel() // k
     qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
     scale = torch.empty(*w.shape[:-1], k // gs, dtype=w.dtype)
-    L.moeq_rtn_quantize_sym(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(rows), cpu.i64(k), cpu.i64(gs), bits,
-                            cpu.ptr(qdata), cpu.ptr(scale))
-    return qdata, scale
+    if symmetric:
+        L.moeq_rtn_quantize_sym(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(rows), cpu.i64(k), cpu.i64(gs),
+                                bits, cpu.ptr(qdata), cpu.ptr(scale))
+        return qdata, scale, None
+    zero = torch.empty(*w.shape[:-1], k // gs, dtype=torch.uint8)
+    L.moeq_rtn_quantize_asym(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(rows), cpu.i64(k), cpu.i64(gs), bits,
+                             cpu.ptr(qdata), cpu.ptr(scale), cpu.ptr(zero))
+    return qdata, scale, zero
 
 
 def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):

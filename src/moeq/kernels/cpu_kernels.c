@@ -547,3 +547,64 @@ void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void*
         }
     }
 }
+
+// Asymmetric RTN (min/max widened to include 0, integer zero point), exactly the torch reference's fp32 arithmetic:
+// scale = (hi - lo) / maxq rounded to the storage dtype; zero = clamp(round(-lo / s)); q = clamp(round(x / s) + zero).
+// A group holding NaN/Inf gets a NaN scale.
+void moeq_rtn_quantize_asym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale,
+                            uint8_t* zero) {
+    const int maxq = (1 << bits) - 1;
+    const i64 G = K / gs;
+#pragma omp parallel
+    {
+        float buf[4096], c[4096];
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; r++) {
+            for (i64 g = 0; g < G; g++) {
+                const i64 base = r * K + g * gs;
+                load_group(w, bf16, base, gs, buf);
+                float lo = 0.f, hi = 0.f;
+                int bad = 0;
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : bad)
+                for (i64 k = 0; k < gs; k++) {
+                    const float v = buf[k];
+                    bad += !(fabsf(v) <= 3.402823466e38f);
+                    lo = v < lo ? v : lo;
+                    hi = v > hi ? v : hi;
+                }
+                if (bad) {
+                    if (bf16) ((uint16_t*)scale)[r * G + g] = 0x7fc0; else ((float*)scale)[r * G + g] = NAN;
+                    zero[r * G + g] = 0;
+                    continue;
+                }
+                float s = (hi - lo) / (float)maxq;
+                if (bf16) {
+                    const uint16_t h = f2bf_finite(s);
+                    ((uint16_t*)scale)[r * G + g] = h;
+                    s = bf2f(h);
+                } else {
+                    ((float*)scale)[r * G + g] = s;
+                }
+                const float d = s == 0.f ? 1.f : s;
+                float z = rintf(-lo / d);
+                z = z < 0.f ? 0.f : (z > (float)maxq ? (float)maxq : z);
+                zero[r * G + g] = (uint8_t)z;
+#pragma omp simd
+                for (i64 k = 0; k < gs; k++) {
+                    float v = rintf(buf[k] / d) + z;
+                    v = v < 0.f ? 0.f : v;
+                    c[k] = v > (float)maxq ? (float)maxq : v;
+                }
+                if (bits == 8) {
+                    uint8_t* o = q + base;
+#pragma omp simd
+                    for (i64 k = 0; k < gs; k++) o[k] = (uint8_t)c[k];
+                } else {
+                    uint8_t* o = q + r * (K / 2) + g * gs / 2;
+#pragma omp simd
+                    for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)((uint8_t)c[2 * j] | ((uint8_t)c[2 * j + 1] << 4));
+                }
+            }
+        }
+    }
+}
