@@ -38,18 +38,24 @@ def test_dispatch_declines_big_batches_and_3d_inputs():
 
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128), RTN(4, 32, symmetric=False), BNB4("nf4", 64, True),
                                  BNB4("fp4", 32, False)], ids=lambda c: c.label())
-def test_fused_moe_matches_per_expert_loop(cfg, monkeypatch):
+@pytest.mark.parametrize("t", [6, 40])  # 40 tokens: some experts get more rows than the fused path takes
+def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
     import moeq.nn.experts as ex
     from moeq.nn import Activation, QuantExperts
 
     torch.manual_seed(0)
-    e, h, i, t, a = 8, 256, 128, 6, 3
+    e, h, i, a = 8, 256, 128, 3
     gu, dn = torch.randn(e, 2 * i, h) * 0.05, torch.randn(e, h, i) * 0.05
     pieces = [[cfg.quantize(gu[x, :i]), cfg.quantize(gu[x, i:])] for x in range(e)]
     cls = type(pieces[0][0])
     mod = QuantExperts(cls.join(pieces), cls.join([[cfg.quantize(dn[x])] for x in range(e)]), Activation())
     x = torch.randn(t, h)
     idx = torch.stack([torch.randperm(e)[:a] for _ in range(t)])
+    if t > 10:
+        idx[:, 0] = 2  # expert 2 gets every token: the hybrid path (fused for the others)
+        idx[:, 1:] = torch.stack([torch.randperm(e - 1)[: a - 1] + (torch.randperm(e - 1)[: a - 1] >= 2).long()
+                                  for _ in range(t)])
+        idx[:, 1:][idx[:, 1:] == 2] = 7
     wts = torch.rand(t, a)
     calls = []
     real = ex.moe_forward

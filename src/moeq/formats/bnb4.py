@@ -104,7 +104,15 @@ class Bnb4Weight(PackedWeight):
         """fp32 ``[S, nb]`` absmax, undoing double quantization (as bitsandbytes' ``dequantize_4bit``)."""
         if self.offset is None:
             return self.absmax
+        from moeq.kernels import cpu  # noqa: PLC0415
+
         s, nb = self.absmax.shape
+        L = cpu.lib()
+        if L is not None and cpu.usable(self.absmax, self.nested_absmax, self.nested_code, self.offset):
+            out = torch.empty(s, nb, dtype=torch.float32)
+            L.moeq_bnb4_resolve_absmax(cpu.ptr(self.absmax), cpu.ptr(self.nested_absmax), cpu.ptr(self.nested_code),
+                                       cpu.ptr(self.offset), cpu.i64(s), cpu.i64(nb), cpu.ptr(out))
+            return out
         nn_ = self.nested_absmax.shape[1]
         vals = self.nested_code[self.absmax.long()]  # [S, nb]
         vals = torch.nn.functional.pad(vals, (0, nn_ * NESTED_BLOCKSIZE - nb)).view(s, nn_, NESTED_BLOCKSIZE)

@@ -608,3 +608,12 @@ void moeq_rtn_quantize_asym(const void* w, int bf16, i64 rows, i64 K, i64 gs, in
         }
     }
 }
+
+// Double-quantized absmax -> fp32: out[s, b] = nested_code[q[s, b]] * nested_absmax[s, b / 256] + offset[s].
+void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, const float* nested_code,
+                              const float* offset, i64 S, i64 nb, float* out) {
+    const i64 nn = (nb + 255) / 256;
+    for (i64 s = 0; s < S; s++)
+        for (i64 b = 0; b < nb; b++)
+            out[s * nb + b] = nested_code[q[s * nb + b]] * nested_absmax[s * nn + b / 256] + offset[s];
+}

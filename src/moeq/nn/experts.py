@@ -16,6 +16,7 @@ from transformers.activations import ACT2FN
 
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear
+from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
 from moeq.kernels.moe_cpu import moe_forward
 from moeq.nn.packed import get_packed, set_packed
 
@@ -74,9 +75,23 @@ class QuantExperts(nn.Module):
         if self.weight_on_input:
             return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
         if self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu":
-            fused = moe_forward(w13, w2, hidden_states, token_of, weight_of, counts)  # decode: one native call
-            if fused is not None:
-                return fused
+            # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) go through
+            # dequantize + bf16 matmul, which is faster there
+            small = [c if c <= MOE_MAX_ROWS else 0 for c in counts]
+            if any(small):
+                if small == counts:
+                    fused = moe_forward(w13, w2, hidden_states, token_of, weight_of, counts)
+                    if fused is not None:
+                        return fused
+                else:
+                    per_pair = torch.tensor(counts)[flat[order]]  # the row count of each pair's expert
+                    keep = per_pair <= MOE_MAX_ROWS
+                    fused = moe_forward(w13, w2, hidden_states, token_of[keep], weight_of[keep], small)
+                    if fused is not None:
+                        large = [c if c > MOE_MAX_ROWS else 0 for c in counts]
+                        out = self._forward_loop(hidden_states, token_of[~keep], weight_of[~keep], large, w13, w2,
+                                                 out)
+                        return out + fused
         return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
 
     def _forward_loop(self, hidden_states, token_of, weight_of, counts, w13, w2, out):
