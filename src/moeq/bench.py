@@ -141,7 +141,7 @@ def bytes_per_token(model: nn.Module, top_k: int) -> float:
             continue
         if "experts" in name:
             continue
-        for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+        for _, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
             if "embed" in name:
                 continue
             total += t.numel() * t.element_size()

@@ -11,6 +11,7 @@ from torch import nn
 
 from moeq.arch import Arch
 from moeq.formats import PackedWeight
+from moeq.io.writer import unique_tensors
 from moeq.nn import QuantExperts, QuantLinear
 
 
@@ -33,15 +34,9 @@ def quantized_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def plain_tensors(model: nn.Module, arch: Arch, skip_prefixes: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter/buffer that is not part of a quantized module, under its on-disk name."""
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=False).items():
-        mod = name.rpartition(".")[0]
-        if mod in skip_prefixes:  # quantized modules are written by the exporter itself
+    for name, t in unique_tensors(model.state_dict().items()):  # tied weights written once
+        if name.rpartition(".")[0] in skip_prefixes:  # quantized modules are written by the exporter itself
             continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if t.numel() and key in seen:  # tied weights written once
-            continue
-        seen.add(key)
         yield arch.to_disk(name), t
 
 

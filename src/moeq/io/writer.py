@@ -48,6 +48,17 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
+def unique_tensors(items):
+    """``(name, tensor)`` pairs with tied tensors (same storage, offset and shape) kept once, first name wins."""
+    seen: set[tuple] = set()
+    for name, t in items:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t
+
+
 def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, metadata: dict[str, str],
                  shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write ``(name, tensor)`` pairs as safetensors shards of at most ``shard_bytes`` (plus an index when there is
