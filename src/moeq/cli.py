@@ -122,13 +122,17 @@ def cmd_export(args) -> int:
     from moeq.export import export
 
     model = moeq.load(args.model, progress=not args.json)
-    summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model)
+    summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model,
+                     progress=not args.json)
     if args.json:
         print(json.dumps(summary))
     else:
         kept = ", ".join(summary.get("kept_unquantized", [])[:6]) or "nothing"
+        requant = summary.get("requantized", [])
+        what = (f"re-quantized {len(requant)} tensors (" + "; ".join(requant[:3]) + (", ..." if len(requant) > 3
+                else "") + ")") if requant else "no value re-quantized"
         print(f"wrote {summary['out']} ({args.format}): {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB; "
-              f"no value re-quantized; kept unquantized: {kept}")
+              f"{what}; kept unquantized: {kept}")
     return 0
 
 
@@ -235,12 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
-    from moeq.export import EXPORTERS, bnb, compressed_tensors
+    from moeq.export import EXPORTERS, bnb, compressed_tensors, gguf
 
     e = sub.add_parser("export", help="write a moeq model for another engine",
                        description="Formats: bnb = transformers+bitsandbytes layout (vLLM bitsandbytes, transformers "
                        f"dense part; takes {bnb.SUPPORTS}); compressed-tensors = pack-quantized (vLLM Marlin/Triton "
-                       f"MoE, transformers; takes {compressed_tensors.SUPPORTS}). Exports are lossless.")
+                       f"MoE, transformers; takes {compressed_tensors.SUPPORTS}); gguf = one model.gguf for llama.cpp "
+                       f"(takes {gguf.SUPPORTS}). bnb and compressed-tensors exports are lossless; gguf is lossless "
+                       "for symmetric RTN with group 32 (--method q4_0 / q8_0) and lists what it re-quantized.")
     e.add_argument("model")
     e.add_argument("out")
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))

@@ -136,6 +136,8 @@ METHODS: dict[str, FormatConfig] = {
     "rtn-int4-asym": RTN(4, 128, symmetric=False),
     "rtn-int4-signed": RTN(4, 128, grid="signed"),
     "rtn-int8": RTN(8, 128),
+    "q4_0": RTN(4, 32, grid="signed"),  # llama.cpp's Q4_0 rounding (d = signed max / -8); GGUF export is lossless
+    "q8_0": RTN(8, 32, grid="signed"),  # llama.cpp's Q8_0 blocks; GGUF export is lossless
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),

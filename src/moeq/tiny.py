@@ -49,9 +49,24 @@ def tiny_config(model_type: str, **overrides):
     return cfg
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+def tiny_tokenizer(kind: str = "bytelevel") -> PreTrainedTokenizerFast:
+    """``bytelevel``: GPT-2-style byte-level BPE (Qwen, OLMoE); ``spm``: Llama/Mixtral-style BPE over ``▁``-joined
+    text with ``<0xNN>`` byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: PLC0415
 
+    if kind == "spm":  # trained on words like SentencePiece, saved in Llama's tokenizer.json form
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False)
+        tok.train_from_iterator([_TEXT] * 4, trainer)
+        tok.pre_tokenizer = None
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if kind != "bytelevel":
+        raise ValueError(f"unknown tiny tokenizer kind {kind!r}; valid: bytelevel, spm")
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -62,7 +77,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_checkpoint(model_type: str, out: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                    fused_layout: bool = False, **overrides) -> Path:
+                    fused_layout: bool = False, tokenizer: str = "bytelevel", **overrides) -> Path:
     """Write a random tiny model of ``model_type`` to ``out`` with ``save_pretrained`` (per-expert keys where the
     family stores them so); ``fused_layout`` instead writes the model's own 3-D expert params."""
     out = Path(out)
@@ -86,5 +101,5 @@ def make_checkpoint(model_type: str, out: str | os.PathLike, seed: int = 0, dtyp
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     else:
         model.save_pretrained(out)
-    tiny_tokenizer().save_pretrained(out)
+    tiny_tokenizer(tokenizer).save_pretrained(out)
     return out

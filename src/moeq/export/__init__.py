@@ -4,6 +4,7 @@
 |---|---|---|
 | ``bnb`` | transformers + bitsandbytes (dense part), vLLM bitsandbytes, moeq | NF4/FP4 (double quant as stored), LLM.int8 |
 | ``compressed-tensors`` | vLLM (Marlin/Triton MoE), transformers, compressed_tensors | RTN int4/int8, sym/asym, group/row |
+| ``gguf`` | llama.cpp (and its bindings, ollama, LM Studio) | mixtral/qwen2_moe/qwen3_moe/olmoe; Q4_0/Q8_0 exact from symmetric RTN g32, else re-quantized |
 """
 from __future__ import annotations
 
@@ -12,21 +13,26 @@ import os
 from torch import nn
 
 from moeq.arch import get_arch
-from moeq.export import bnb, compressed_tensors
+from moeq.export import bnb, compressed_tensors, gguf
 from moeq.io.writer import atomic_dir, copy_side_files
 
-EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors}
+EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors, "gguf": gguf}
+HF_LAYOUT = {"bnb", "compressed-tensors"}  # formats that are a transformers checkpoint directory
 
 
 def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: bool = False,
-           source: str | os.PathLike | None = None) -> dict:
-    """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary."""
+           source: str | os.PathLike | None = None, progress: bool = False) -> dict:
+    """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary. ``source``: the checkpoint the
+    model came from (tokenizer and side files are taken from it)."""
     if format not in EXPORTERS:
         raise ValueError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
     arch = get_arch(model.config)
     with atomic_dir(out, overwrite) as tmp:
-        summary = EXPORTERS[format].export(model, tmp, arch)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        copy_side_files(source, tmp)
+        if format in HF_LAYOUT:
+            summary = EXPORTERS[format].export(model, tmp, arch)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            copy_side_files(source, tmp)
+        else:
+            summary = EXPORTERS[format].export(model, tmp, arch, source=source, progress=progress)
     return {"format": format, "out": str(out), **summary}

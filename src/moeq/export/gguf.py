@@ -1,0 +1,400 @@
+"""Export to GGUF for llama.cpp: expert stacks as 3-D ``blk.N.ffn_{gate,up,down}_exps``, llama.cpp's hyperparameter
+and tokenizer metadata, tensors as ``Q4_0``/``Q8_0`` (or kept ``BF16``/``F16``/``F32``), written with the ``gguf``
+package tensor by tensor (the model is never copied whole).
+
+Lossless where the formats agree: llama.cpp's ``Q4_0``/``Q8_0`` blocks are symmetric RTN over 32 inputs with an fp16
+scale, ``value = d * (q - 8)`` / ``value = d * q`` — exactly a moeq symmetric 4/8-bit RTN weight with group 32 (the
+``q4_0``/``q8_0`` methods, or any ``vllm``/``signed`` grid), as long as its scales are fp16-representable (bf16 scales
+of normal weights are). Everything else quantized (other groups, asymmetric or 2/3-bit RTN, NF4/FP4, LLM.int8) is
+re-quantized from moeq's dequantized values with llama.cpp's own rounding (``gguf.quants``) — to ``Q4_0`` when it
+had <= 4 bits, else ``Q8_0`` — and the summary lists every such tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from moeq.arch import Arch
+from moeq.export.common import expert_pieces, quantized_modules
+from moeq.formats import PackedWeight, RTNWeight
+from moeq.io.writer import unique_tensors
+from moeq.nn import QuantExperts, QuantLinear
+
+log = logging.getLogger(__name__)
+SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe and olmoe models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
+            "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
+FILE = "model.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How llama.cpp names and runs one transformers MoE family."""
+    arch: str  # llama.cpp architecture
+    norm_topk: bool  # llama.cpp renormalizes the top-k router weights for this graph
+    pre: str = "default"  # llama.cpp pre-tokenizer of the family's byte-level BPE tokenizers
+    permute_qk: bool = False  # llama.cpp's "llama" graph uses interleaved RoPE: HF q/k rows are permuted to match
+
+
+FAMILIES = {
+    "mixtral": Family("llama", norm_topk=True, permute_qk=True),
+    "qwen2_moe": Family("qwen2moe", norm_topk=False, pre="qwen2"),
+    "qwen3_moe": Family("qwen3moe", norm_topk=True, pre="qwen2"),
+    "olmoe": Family("olmoe", norm_topk=False, pre="olmo"),
+}
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class Planned:
+    name: str
+    qtype: object  # gguf.GGMLQuantizationType
+    make: Callable[[], np.ndarray]  # the bytes/values as written, computed only when written
+    shape: tuple[int, ...]  # numpy shape of what make() returns
+    dtype: np.dtype
+    nbytes: int
+    note: str = ""  # "exact", "requantized from ...", "kept"
+
+
+def _gguf():
+    try:
+        import gguf  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - gguf is a dependency of the export extra
+        raise ImportError("--format gguf needs the gguf package: pip install 'moeq[gguf]'") from e
+    return gguf
+
+
+# ---------------------------------------------------------------------------------------------- tensor conversion
+def ggml_type(w: PackedWeight) -> str | None:
+    """``Q4_0``/``Q8_0`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
+    if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32 or w.bits not in (4, 8):
+        return None
+    d = w.scale.to(torch.float16)
+    if not (torch.isfinite(d).all() and torch.equal(d.to(w.scale.dtype), w.scale)):
+        return None  # a scale fp16 cannot hold exactly (tiny/huge, or fp32 scales)
+    return "Q4_0" if w.bits == 4 else "Q8_0"
+
+
+def ggml_blocks(w: RTNWeight) -> torch.Tensor:
+    """Q4_0/Q8_0 block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts."""
+    d = w.scale.to(torch.float16)
+    blocks = w.codes().unflatten(-1, (-1, 32))  # uint8 codes [..., N, K/32, 32], zero point 2**(bits-1)
+    if w.bits == 4:  # ggml: byte j holds element j (low nibble) and element j+16 (high nibble)
+        qs = blocks[..., :16] | (blocks[..., 16:] << 4)
+    else:
+        qs = (blocks.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+    return torch.cat([d.unsqueeze(-1).view(torch.uint8), qs], dim=-1).flatten(-2)
+
+
+def _bits(w: PackedWeight) -> int:
+    return getattr(w, "bits", 4 if type(w).__name__ == "Bnb4Weight" else 8)
+
+
+def requantize(values: torch.Tensor, qtype: str) -> np.ndarray:
+    """llama.cpp's own rounding (gguf.quants) of dequantized fp32 values."""
+    gguf = _gguf()
+    return gguf.quants.quantize(values.float().numpy(), gguf.GGMLQuantizationType[qtype])
+
+
+def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str, str]:
+    """(make, qtype, note) for a stack of 2-D packed weights written as one tensor (one for a linear)."""
+    exact = {ggml_type(w) for w in ws}
+    if len(exact) == 1 and None not in exact:
+        def make():
+            arrs = [ggml_blocks(w) for w in ws]
+            return (torch.stack(arrs) if len(arrs) > 1 else arrs[0]).numpy()
+        return make, exact.pop(), "exact"
+    qtype = "Q4_0" if max(_bits(w) for w in ws) <= 4 else "Q8_0"
+    w0 = ws[0]
+    src = f"{type(w0).__name__}({getattr(w0, 'bits', '')}{getattr(w0, 'quant_type', '')})"
+
+    def make():
+        arrs = [requantize(w.dequantize(torch.float32), qtype) for w in ws]
+        return np.stack(arrs) if len(arrs) > 1 else arrs[0]
+    return make, qtype, f"requantized {src} -> {qtype}"
+
+
+def _plain(t: torch.Tensor, force_f32: bool) -> tuple[Callable[[], np.ndarray], str]:
+    t = t.detach()
+    if force_f32 or t.ndim == 1 or t.dtype == torch.float32:
+        return (lambda: t.float().contiguous().numpy()), "F32"
+    if t.dtype == torch.bfloat16:
+        return (lambda: t.contiguous().view(torch.int16).numpy().view(np.uint16)), "BF16"
+    if t.dtype == torch.float16:
+        return (lambda: t.contiguous().numpy()), "F16"
+    raise ValueError(f"tensor of dtype {t.dtype} has no GGUF form")
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+class _Planner:
+    def __init__(self, model: nn.Module, fam: Family):
+        gguf = _gguf()
+        cfg = model.config
+        self.gguf, self.cfg, self.fam = gguf, cfg, fam
+        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.num_hidden_layers)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.plan: list[Planned] = []
+
+    def gguf_name(self, module: str) -> str:
+        name = self.names.get_name(module)
+        if name is None:
+            raise ValueError(f"{module}: no llama.cpp {self.fam.arch} tensor corresponds to it; the GGUF export "
+                             f"takes {SUPPORTS}")
+        return name
+
+    def _permute(self, name: str, make: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+        """convert_hf_to_gguf's q/k row permutation for llama.cpp's interleaved RoPE (rows only: lossless)."""
+        if not self.fam.permute_qk or not re.search(r"\.attn_[qk]\.", name):
+            return make
+        heads = self.cfg.num_attention_heads if ".attn_q." in name else self.cfg.num_key_value_heads
+
+        def permuted():
+            a = make()
+            n = a.shape[0]
+            perm = np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(-1)
+            return a[perm]
+        return permuted
+
+    def add(self, name: str, make: Callable[[], np.ndarray], qtype: str, note: str, logical: tuple[int, ...],
+            dtype=None):
+        gq = self.gguf.GGMLQuantizationType[qtype]
+        block, type_size = self.gguf.GGML_QUANT_SIZES[gq]
+        shape = tuple(logical[:-1]) + (logical[-1] // block * type_size,)
+        if qtype in ("F32", "F16", "BF16"):
+            shape = tuple(logical)
+            dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype]
+        else:
+            dtype = np.uint8
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self.plan.append(Planned(name, gq, self._permute(name, make), shape, np.dtype(dtype), nbytes, note))
+
+    def experts(self, module: str, mod: QuantExperts) -> None:
+        if mod.b13 is not None:
+            raise ValueError(f"{module}: experts with biases have no llama.cpp form")
+        il = int(_LAYER.search(module + ".").group(1))
+        pieces: dict[str, list[PackedWeight]] = {"gate": [], "up": [], "down": []}
+        for _, kind, w in expert_pieces(mod):
+            pieces[kind].append(w)
+        for kind, ws in pieces.items():
+            make, qtype, note = _packed_stack(ws)
+            self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape))
+
+    def linear(self, module: str, mod: QuantLinear) -> None:
+        base = self.gguf_name(module)
+        make, qtype, note = _packed_stack([mod.qweight])
+        self.add(base + ".weight", make, qtype, note, tuple(mod.qweight.shape))
+        if mod.bias is not None:
+            make, qtype = _plain(mod.bias, True)
+            self.add(base + ".bias", make, qtype, "kept", tuple(mod.bias.shape))
+
+    def plain(self, key: str, t: torch.Tensor) -> None:
+        m = re.match(r"^(?P<mod>.+\.experts)\.(?P<p>gate_up_proj|down_proj)$", key)
+        if m:  # experts kept in the compute dtype: transformers' fused [E, 2I, H] / [E, H, I]
+            il = int(_LAYER.search(key).group(1))
+            halves = {"down": t} if m["p"] == "down_proj" else dict(zip(("gate", "up"), t.chunk(2, dim=1)))
+            for kind, part in halves.items():
+                make, qtype = _plain(part, False)
+                self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, "kept", tuple(part.shape))
+            return
+        module, _, suffix = key.rpartition(".")
+        base = self.gguf_name(module)
+        router = base.endswith("ffn_gate_inp") or base.endswith("ffn_gate_inp_shexp")
+        make, qtype = _plain(t, force_f32=router)  # llama.cpp computes router logits from F32 weights
+        self.add(f"{base}.{suffix}", make, qtype, "kept", tuple(t.shape))
+
+
+def plan(model: nn.Module, fam: Family) -> _Planner:
+    p = _Planner(model, fam)
+    quantized = {}
+    for name, mod in quantized_modules(model):
+        quantized[name] = mod
+    done = set(quantized)
+    for name, mod in quantized.items():
+        (p.experts if isinstance(mod, QuantExperts) else p.linear)(name, mod)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for key, t in unique_tensors(model.state_dict().items()):
+        if key.rpartition(".")[0] in done or (tied and key == "lm_head.weight"):
+            continue
+        p.plain(key, t)
+    order = {"token_embd": 0, "output_norm": 2, "output": 3}
+    p.plan.sort(key=lambda x: (order.get(x.name.split(".")[0], 1),
+                               int(x.name.split(".")[1]) if x.name.startswith("blk.") else -1, x.name))
+    return p
+
+
+# ------------------------------------------------------------------------------------------------- metadata
+def _check(model: nn.Module) -> Family:
+    cfg = model.config
+    mt = cfg.model_type
+    if mt not in FAMILIES:
+        raise ValueError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
+    fam = FAMILIES[mt]
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    problems = []
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type={rope.get('rope_type')!r} (only plain RoPE is mapped)")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg.hidden_act!r} (llama.cpp runs SiLU experts here)")
+    ntp = getattr(cfg, "norm_topk_prob", None)
+    if ntp is not None and bool(ntp) != fam.norm_topk:
+        problems.append(f"norm_topk_prob={ntp} (llama.cpp's {fam.arch} graph always uses {fam.norm_topk})")
+    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "mlp_only_layers", None) \
+            or getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "clip_qkv", None) is not None:
+        problems.append("sliding-window attention, dense layers between MoE layers or clip_qkv")
+    if mt == "olmoe" and cfg.num_key_value_heads != cfg.num_attention_heads:
+        problems.append("grouped-query attention (llama.cpp's olmoe k-norm spans all heads)")
+    if problems:
+        raise ValueError(f"this {mt} model cannot be expressed in llama.cpp's {fam.arch} graph: "
+                         + "; ".join(problems))
+    return fam
+
+
+def _hparams(w, model: nn.Module, p: _Planner) -> None:
+    cfg, gguf = model.config, p.gguf
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_name(getattr(cfg, "_name_or_path", "") or cfg.model_type)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(p.head_dim)
+    w.add_value_length(p.head_dim)
+    w.add_rope_dimension_count(p.head_dim)
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    inter = experts[0].intermediate_dim if experts else getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)
+    w.add_expert_feed_forward_length(inter)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_vocab_size(cfg.vocab_size)
+    kinds = {}
+    for t in p.plan:
+        kinds[t.qtype.name] = kinds.get(t.qtype.name, 0) + t.nbytes
+    main = max(kinds, key=kinds.get)
+    w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16}.get(
+                         main, gguf.LlamaFileType.ALL_F32))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _pre_tokenizer(tok_json: Path, fam: Family) -> str:
+    """llama.cpp's pre-tokenizer name: GPT-2's own regex when the tokenizer uses it, else the family's."""
+    try:
+        pre = json.loads(tok_json.read_text()).get("pre_tokenizer") or {}
+    except (OSError, ValueError):
+        return fam.pre
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    return fam.pre
+
+
+def _merge_scores(tok_json: Path, tokens: list, scores: list[float]) -> list[float]:
+    merges = json.loads(tok_json.read_text())["model"].get("merges", [])
+    rank: dict[str, int] = {}
+    for i, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(a + b, i)
+    out = []
+    for text, score in zip(tokens, scores):
+        t = text.decode("utf-8") if isinstance(text, bytes) else text
+        out.append(-float(rank[t]) if t in rank else (score if score <= -1000.0 else 0.0))
+    return out
+
+
+def _tokenizer(w, source: Path, n_vocab: int, fam: Family) -> str:
+    gguf = _gguf()
+    from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab  # noqa: PLC0415
+
+    vocab, errors = None, []
+    for cls in (BpeVocab, LlamaHfVocab):
+        try:
+            vocab = cls(source)
+            break
+        except (FileNotFoundError, ValueError, TypeError, KeyError, ImportError) as e:
+            errors.append(f"{cls.__name__}: {e}")
+    if vocab is None:
+        raise ValueError(f"{source}: no tokenizer GGUF can describe (a byte-level BPE or a byte-fallback BPE "
+                         f"tokenizer.json is needed): {'; '.join(errors)}")
+    tokens, scores, types = [], [], []
+    for text, score, ttype in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(ttype)
+    if vocab.tokenizer_model == "llama":  # llama.cpp merges by score: a token's score is minus the rank of the
+        scores = _merge_scores(source / "tokenizer.json", tokens, scores)  # merge that makes it (HF BPE order)
+    if len(tokens) > n_vocab:
+        raise ValueError(f"{source}: tokenizer has {len(tokens)} tokens, more than the model's vocab_size {n_vocab}")
+    for i in range(len(tokens), n_vocab):  # embedding rows without a token (as convert_hf_to_gguf pads)
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    w.add_tokenizer_model(vocab.tokenizer_model)
+    if vocab.tokenizer_model == "gpt2":
+        w.add_tokenizer_pre(_pre_tokenizer(source / "tokenizer.json", fam))
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    SpecialVocab(source, load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab).add_to_gguf(w, quiet=True)
+    return vocab.tokenizer_model
+
+
+def _source_dir(model: nn.Module, source) -> Path:
+    for cand in (source, getattr(model, "name_or_path", None), getattr(model.config, "_name_or_path", None)):
+        if cand and (Path(cand) / "tokenizer.json").exists():
+            return Path(cand)
+    raise ValueError("the GGUF export embeds the tokenizer: pass source= a checkpoint directory holding "
+                     f"tokenizer.json (tried {source!r} and the model's own path)")
+
+
+def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool = False) -> dict:
+    fam = _check(model)
+    src = _source_dir(model, source)
+    p = plan(model, fam)
+    gguf = _gguf()
+    w = gguf.GGUFWriter(out / FILE, fam.arch)
+    _hparams(w, model, p)
+    tokenizer_model = _tokenizer(w, src, model.config.vocab_size, fam)
+    for t in p.plan:
+        w.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    for t in tqdm(p.plan, desc="gguf", unit="tensor", disable=not progress):
+        a = np.ascontiguousarray(t.make())
+        if a.shape != t.shape or a.dtype != t.dtype:
+            raise RuntimeError(f"{t.name}: produced {a.shape} {a.dtype}, planned {t.shape} {t.dtype}")
+        w.write_tensor_data(a)
+    w.close()
+    requant = [f"{t.name}: {t.note}" for t in p.plan if t.note.startswith("requantized")]
+    if requant:
+        log.warning("GGUF export re-quantized %d tensors (%s, ...)", len(requant), requant[0])
+    types: dict[str, int] = {}
+    for t in p.plan:
+        types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
+    return {"file": FILE, "arch": fam.arch, "tokenizer": tokenizer_model,
+            "tensors": len(p.plan), "bytes": sum(t.nbytes for t in p.plan), "types": types,
+            "requantized": requant, "kept_unquantized": [t.name for t in p.plan if t.note == "kept" and
+                                                          len(t.shape) >= 2]}
+
+
+def tensors_written(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, fp32 values) of every tensor of a GGUF file, decoded by the gguf package (used by tests/tools)."""
+    gguf = _gguf()
+    r = gguf.GGUFReader(path)
+    for t in r.tensors:
+        yield t.name, gguf.quants.dequantize(t.data, t.tensor_type)
