@@ -205,7 +205,7 @@ class _Planner:
             return
         module, _, suffix = key.rpartition(".")
         base = self.gguf_name(module)
-        router = base.endswith("ffn_gate_inp") or base.endswith("ffn_gate_inp_shexp")
+        router = base.endswith(("ffn_gate_inp", "ffn_gate_inp_shexp"))
         make, qtype = _plain(t, force_f32=router)  # llama.cpp computes router logits from F32 weights
         self.add(f"{base}.{suffix}", make, qtype, "kept", tuple(t.shape))
 
