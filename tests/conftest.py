@@ -1,5 +1,11 @@
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 

@@ -54,7 +54,8 @@ def cmd_quantize(args) -> int:
 
     src_bytes = sum(i.nbytes for i in Checkpoint(args.src).tensors.values())
     t0 = time.perf_counter()
-    model = moeq.load(args.src, quant=_quant_config(args), dtype=_dtype(args.dtype), progress=not args.json)
+    model = moeq.load(args.src, quant=_quant_config(args), dtype=_dtype(args.dtype), progress=not args.json,
+                      device=args.device)
     moeq.save(model, out, overwrite=args.overwrite, source=args.src)
     secs = time.perf_counter() - t0
     info = moeq.inspect(model)
@@ -81,12 +82,12 @@ def cmd_generate(args) -> int:
     import moeq
 
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
-                      progress=False)
+                      progress=False, device=args.device)
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as e:
         raise ValueError(f"{args.model}: no usable tokenizer ({e})") from None
-    ids = tok(args.prompt, return_tensors="pt").input_ids
+    ids = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
     torch.manual_seed(args.seed)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.eos_token_id)
     if args.sample:
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--rule", action="append", metavar="PATTERN=METHOD",
                         help="per-module override, glob on module names, e.g. 'lm_head=rtn-int8' (repeatable)")
         sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype")
+        sp.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda[:N]: on a GPU, tensors stream to it and are quantized there")
 
     q = sub.add_parser("quantize", help="quantize a checkpoint in flight and save it")
     q.add_argument("src")

@@ -119,11 +119,21 @@ def _finish(model: nn.Module, unused: list[str], config) -> nn.Module:
 
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
-         progress: bool = True) -> nn.Module:
+         progress: bool = True, device: str | torch.device | None = None) -> nn.Module:
     """Load a checkpoint directory: a moeq checkpoint as saved, or a bf16/fp16 one quantized in flight with
-    ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized)."""
-    path = Path(path)
-    ckpt = Checkpoint(path)
+    ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
+
+    ``device`` (default CPU): where the model runs. On a GPU, source tensors stream from disk to the GPU one at a
+    time and are quantized there; saved and pre-quantized checkpoints are moved once loaded."""
+    from moeq.kernels.gpu import check_device  # noqa: PLC0415
+
+    dev = check_device(device)
+    model = _load(Path(path), quant, dtype, progress, dev)
+    return model if dev.type == "cpu" else model.to(dev)
+
+
+def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.Module:
+    ckpt = Checkpoint(path, device)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -133,11 +143,11 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     if qc and qc.get("quant_method") == QUANT_METHOD:
         if quant is not None:
             raise ValueError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
-        return _load_saved(path, ckpt, config, qc, dtype, progress)
+        return _load_saved(path, Checkpoint(path), config, qc, dtype, progress)
     if qc:
         from moeq.prequant import load_prequantized  # noqa: PLC0415
 
-        return load_prequantized(path, ckpt, config, qc, quant, dtype, progress)
+        return load_prequantized(path, Checkpoint(path), config, qc, quant, dtype, progress)
     return _load_streaming(path, ckpt, config, QuantConfig.of(quant or "none"), dtype, progress)
 
 

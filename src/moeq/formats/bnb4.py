@@ -315,8 +315,8 @@ def _quantize_search(w, blocksize, quant_type, candidates, packed, absmax, name)
     check_finite(w, name)
     if (w.numel() // packed.shape[0]) % blocksize:
         raise ValueError(f"tensor {name or '<unnamed>'}: absmax search needs whole blocks of {blocksize}")
-    bounds, order = _bounds(quant_type)
-    code_sorted = code4(quant_type)[order]
+    bounds, order = (t.to(w.device) for t in _bounds(quant_type))
+    code_sorted = code4(quant_type).to(w.device)[order]
     blocks, pb, ab = w.reshape(-1, blocksize), packed.view(-1, blocksize // 2), absmax.view(-1)
     for a, b in row_chunks(blocks.shape[0], blocksize):
         x = blocks[a:b].float()
@@ -364,7 +364,7 @@ def quantize(
         raise ValueError(f"tensor {name or '<unnamed>'}: {w.numel()} values cannot be split in {slices} slices")
     n = w.numel() // slices
     nb = -(-n // blocksize)
-    bounds, order = _bounds(quant_type)
+    bounds, order = (t.to(w.device) for t in _bounds(quant_type))
     packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8, device=w.device)
     absmax = torch.empty(slices, nb, dtype=torch.float32, device=w.device)
     if search:
@@ -388,8 +388,8 @@ def quantize(
     offset = nested_absmax = nested_code = None
     if double_quant:
         offset = absmax.mean(dim=1)
-        nested_code = dynamic_map()
+        nested_code = dynamic_map().to(w.device)
         absmax, nested_absmax = quantize_blockwise8(absmax - offset.unsqueeze(-1), nested_code)
-    return Bnb4Weight(packed=packed, absmax=absmax, code=code4(quant_type), offset=offset,
+    return Bnb4Weight(packed=packed, absmax=absmax, code=code4(quant_type).to(w.device), offset=offset,
                       nested_absmax=nested_absmax, nested_code=nested_code, quant_type=quant_type,
                       blocksize=blocksize, shape=tuple(w.shape), dtype=w.dtype)

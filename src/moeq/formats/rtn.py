@@ -163,7 +163,7 @@ def quantize(
         if search or refine:
             from moeq.formats.search import rtn_search  # noqa: PLC0415
 
-            z0 = z.float() if z is not None else torch.full(s.shape, float(1 << (bits - 1)))
+            z0 = z.float() if z is not None else torch.full(s.shape, float(1 << (bits - 1)), device=s.device)
             q, s, z2 = rtn_search(g.float(), bits, symmetric, w.dtype, (q, s.unsqueeze(-1), z0.unsqueeze(-1)),
                                   candidates=search, refine=refine)
             z = None if symmetric else z2.to(torch.uint8)

@@ -68,10 +68,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 class Checkpoint:
     """A safetensors checkpoint directory (single file or sharded with ``model.safetensors.index.json``) or file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, device: torch.device | str = "cpu"):
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such checkpoint")
+        self.device = torch.device(device)  # where read() delivers tensors (a GPU: quantized there, in flight)
         self.dir = path if path.is_dir() else path.parent
         if path.is_file():
             files = [path]
@@ -109,7 +110,8 @@ class Checkpoint:
         return sorted(self.tensors, key=lambda k: (str(self.tensors[k].file), self.tensors[k].start))
 
     def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Read one tensor (or its slice ``index`` along dim 0) into fresh memory (no mmap: RSS stays bounded)."""
+        """Read one tensor (or its slice ``index`` along dim 0) into fresh memory (no mmap: RSS stays bounded),
+        delivered on ``self.device``."""
         info = self.tensors[name]
         start, shape = info.start, info.shape
         if index is not None:
@@ -122,7 +124,8 @@ class Checkpoint:
             got = f.readinto(memoryview(buf.numpy()))
         if got != nbytes:
             raise ValueError(f"{info.file}: tensor {name}: short read ({got} of {nbytes} bytes; truncated file?)")
-        return buf.view(info.dtype).reshape(shape)
+        t = buf.view(info.dtype).reshape(shape)
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def mmap(self, name: str) -> torch.Tensor:
         """A zero-copy, read-only-by-convention view of a tensor through a private memory map of its file."""

@@ -70,7 +70,7 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, metadat
         if size and size + nb > shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = t.detach().contiguous()
+        shards[-1][name] = t.detach().contiguous().cpu()  # GPU models are written from host copies
         size += nb
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

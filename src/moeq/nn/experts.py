@@ -64,6 +64,12 @@ class QuantExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.device.type == "cuda":
+            from moeq.kernels import gpu  # noqa: PLC0415
+
+            y = gpu.experts_forward(self, hidden_states, top_k_index, top_k_weights)
+            if y is not None:
+                return y
         t, a = top_k_index.shape
         out = torch.zeros_like(hidden_states)  # [T, H]
         flat = top_k_index.reshape(-1)  # [T*A]
@@ -74,7 +80,8 @@ class QuantExperts(nn.Module):
         w13, w2 = self.w13, self.w2
         if self.weight_on_input:
             return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
-        if self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu":
+        if (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
+                and hidden_states.device.type == "cpu"):
             # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) go through
             # dequantize + bf16 matmul, which is faster there
             small = [c if c <= MOE_MAX_ROWS else 0 for c in counts]

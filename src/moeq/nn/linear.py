@@ -25,4 +25,10 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.qweight!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            from moeq.kernels import gpu  # noqa: PLC0415
+
+            y = gpu.linear_forward(self, x)
+            if y is not None:
+                return y
         return linear(self.qweight, x, self.bias)

@@ -1,0 +1,248 @@
+"""Triton kernels for GPUs: one grouped GEMM with the weight dequantized in registers inside the K loop, used for
+the fused MoE forward (tokens sorted by expert once per layer, only experts with tokens get blocks) and, with one
+"expert", for quantized linears.
+
+Formats (``KernelWeight.qkind``): RTN 4-bit (low nibble first) and 8-bit codes, symmetric (implicit zero point
+``2**(bits-1)``) or asymmetric (uint8 zero points), any group size; NF4/FP4 (high nibble first, 16-entry code table,
+fp32 absmax per block, double quantization resolved once at layout time); LLM.int8 (int8 codes, per-row
+``SCB/127``). The layout (:func:`kernel_layout`) is views of moeq's stored tensors (only double-quant absmax is
+materialized), built once per module and device and cached on the module.
+
+Everything runs on CPU tensors under ``TRITON_INTERPRET=1`` (the test suite does that); note that the interpreter's
+bf16 ``tl.dot`` is wrong, so tests use fp32/fp16 activations there.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from moeq.formats import Bnb4Weight, Int8Weight, PackedWeight, RTNWeight
+from moeq.formats.int8 import INV127
+
+Q_RTN4, Q_RTN8, Q_BNB4, Q_INT8 = 0, 1, 2, 3
+ACT_NONE, ACT_SILU_GLU, ACT_GPTOSS = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelWeight:
+    """A ``[E, N, K]`` stack as the kernel reads it (views of the stored tensors)."""
+    q: torch.Tensor  # uint8 [E, N, K/2] (4-bit) or [E, N, K] (8-bit)
+    scale: torch.Tensor  # [E, N, G] (float)
+    zero: torch.Tensor | None  # uint8 [E, N, G] (asymmetric RTN)
+    lut: torch.Tensor | None  # fp32 [16] (NF4/FP4)
+    qkind: int
+    group: int
+    n: int
+    k: int
+
+    @property
+    def experts(self) -> int:
+        return self.q.shape[0]
+
+
+def kernel_layout(w: PackedWeight) -> KernelWeight | None:
+    """The kernel's view of a 2-D ``[N, K]`` or 3-D ``[E, N, K]`` packed weight, or None when the kernel cannot
+    read it (2/3-bit RTN, NF4/FP4 blocks that straddle rows); callers fall back to dequantize-per-expert."""
+    shape = tuple(w.shape)
+    if len(shape) not in (2, 3):
+        return None
+    e, n, k = (1, *shape) if len(shape) == 2 else shape
+    if isinstance(w, RTNWeight):
+        if w.bits not in (4, 8) or k % 2:
+            return None
+        gs = k if w.group_size == -1 else w.group_size
+        q = w.qdata.reshape(e, n, -1)
+        zero = None if w.zero is None else w.zero.reshape(e, n, -1)
+        return KernelWeight(q, w.scale.reshape(e, n, -1), zero, None, Q_RTN4 if w.bits == 4 else Q_RTN8, gs, n, k)
+    if isinstance(w, Bnb4Weight):
+        bs = w.blocksize
+        per_slice = w.numel // w.slices
+        if k % bs or per_slice % bs or per_slice % k:
+            return None
+        absmax = w.resolved_absmax().float().reshape(e, n, k // bs)
+        return KernelWeight(w.packed.reshape(e, n, k // 2), absmax, None, w.code.float().contiguous(), Q_BNB4, bs,
+                            n, k)
+    if isinstance(w, Int8Weight):
+        scale = (w.scb.float() * INV127).reshape(e, n, 1)
+        return KernelWeight(w.weight.reshape(e, n, k).view(torch.uint8), scale, None, None, Q_INT8, k, n, k)
+    return None
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
+                  QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[BLOCK_K, BLOCK_N]`` tile of ``W[e, offs_n, k0:k0+BLOCK_K]`` transposed."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    if QKIND == 0 or QKIND == 2:
+        half = K // 2
+        byte = tl.load(q_ptr + e * N * half + offs_n[None, :] * half + offs_k[:, None] // 2, mask=mask, other=0)
+        if QKIND == 0:
+            shift = (offs_k[:, None] % 2) * 4  # RTN: element 2j in the low nibble
+        else:
+            shift = (1 - offs_k[:, None] % 2) * 4  # bitsandbytes: element 2j in the high nibble
+        c = (byte >> shift.to(tl.uint8)) & 0xF
+    else:
+        c = tl.load(q_ptr + e * N * K + offs_n[None, :] * K + offs_k[:, None], mask=mask, other=0)
+    g = offs_k[:, None] // GROUP
+    s = tl.load(s_ptr + e * N * G + offs_n[None, :] * G + g, mask=mask, other=0.0).to(tl.float32)
+    if QKIND == 2:
+        v = tl.load(lut_ptr + c.to(tl.int32)) * s
+    elif QKIND == 3:
+        v = c.to(tl.int8, bitcast=True).to(tl.float32) * s
+    else:
+        if HAS_ZERO:
+            z = tl.load(z_ptr + e * N * G + offs_n[None, :] * G + g, mask=mask, other=0).to(tl.float32)
+        elif QKIND == 0:
+            z = 8.0
+        else:
+            z = 128.0
+        v = (c.to(tl.float32) - z) * s
+    return v
+
+
+@triton.jit
+def _grouped_gemm(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, sorted_ptr, expert_ptr, weight_ptr,
+                  n_pairs, N, K, G, stride_am, stride_om,
+                  TOP_K: tl.constexpr, A_BY_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, ACT: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[pair, n] = act(A[row(pair)] @ W[expert]ᵀ + b) * w(pair)`` for blocks of pairs sharing one expert.
+
+    With ``ACT`` set, N is the intermediate size I and the program computes gate rows ``n`` and up rows ``n + I``
+    of ``w13 [E, 2I, K]`` together, writing ``act(gate) * up``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)  # int64: E*N*K overflows int32 on the largest MoEs
+    if e < 0:  # a block past the last expert's padded rows
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < n_pairs
+    if A_BY_PAIR:
+        rows = pairs
+    else:
+        rows = pairs // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    N_W = N * 2 if ACT != 0 else N  # rows of the stored weight
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :],
+                    mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+        b = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
+                          BLOCK_N, BLOCK_K)
+        acc += tl.dot(a, b.to(a.dtype))
+        if ACT != 0:
+            b_up = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
+                                 HAS_ZERO, BLOCK_N, BLOCK_K)
+            acc_up += tl.dot(a, b_up.to(a.dtype))
+    nmask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * N_W + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            acc_up += tl.load(bias_ptr + e * N_W + N + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if ACT == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif ACT == 2:  # gpt-oss: clamped swiglu, (up + 1) * gate * sigmoid(1.702 * gate)
+        gate = tl.minimum(acc, 7.0)
+        up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
+        acc = (up + 1.0) * (gate / (1.0 + tl.exp(-1.702 * gate)))
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & nmask[None, :])
+
+
+def block_m_for(pairs: int, experts: int) -> int:
+    per_expert = pairs / max(experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def align_pairs(expert_of_pair: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert, each expert's run padded to a multiple of ``block_m`` (pad = ``n_pairs``), and the
+    expert of every block (-1 past the end). No host sync: the block count is the static upper bound."""
+    p = expert_of_pair.numel()
+    dev = expert_of_pair.device
+    flat = expert_of_pair.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pstart = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    pos = pstart[e_sorted] + torch.arange(p, device=dev) - start[e_sorted]
+    max_blocks = (p + experts * (block_m - 1) + block_m - 1) // block_m
+    sorted_ids = torch.full((max_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    block_start = torch.arange(max_blocks, device=dev) * block_m
+    ends = torch.cumsum(padded, 0)
+    expert_ids = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(expert_ids < experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids
+
+
+def grouped_gemm(a: torch.Tensor, w: KernelWeight, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, n_pairs: int,
+                 block_m: int, top_k: int = 1, a_by_pair: bool = False, weights: torch.Tensor | None = None,
+                 act: int = ACT_NONE, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
+    """``[n_pairs, N']`` where ``N' = I`` with a fused activation (``w`` then holds gate and up rows), else ``N``."""
+    a = a.contiguous()
+    n = w.n // 2 if act != ACT_NONE else w.n
+    out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+    if n_pairs == 0:
+        return out
+    dummy = w.scale
+    block_k = block_k or (128 if w.k >= 1024 else 64)
+    grid = (expert_ids.numel(), triton.cdiv(n, block_n))
+    launch = {} if a.device.type == "cpu" else {"num_warps": 4, "num_stages": 3}
+    _grouped_gemm[grid](
+        a, out, w.q, w.scale, w.zero if w.zero is not None else dummy, w.lut if w.lut is not None else dummy,
+        bias if bias is not None else dummy, sorted_ids, expert_ids, weights if weights is not None else dummy,
+        n_pairs, n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
+        TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
+        QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    return out
+
+
+def fused_moe(x: torch.Tensor, w13: KernelWeight, w2: KernelWeight, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor, act: int = ACT_SILU_GLU, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, weight_on_input: bool = False, act_fn=None) -> torch.Tensor:
+    """Routed MoE ``[T, H]``: every (token, expert) pair through its expert only. ``act=ACT_NONE`` with
+    ``act_fn(gate, up)`` runs any other activation between the two GEMMs in torch."""
+    t, top_k = top_k_index.shape
+    n_pairs = t * top_k
+    block_m = block_m_for(n_pairs, w13.experts)
+    sorted_ids, expert_ids = align_pairs(top_k_index, w13.experts, block_m)
+    weights = top_k_weights.reshape(-1).contiguous()
+    if weight_on_input:  # Llama 4: each expert's input scaled by its router score
+        a = (x.repeat_interleave(top_k, 0) * weights[:, None].to(x.dtype)).contiguous()
+        h = grouped_gemm(a, w13, sorted_ids, expert_ids, n_pairs, block_m, a_by_pair=True,
+                         act=act, bias=b13)
+    else:
+        h = grouped_gemm(x, w13, sorted_ids, expert_ids, n_pairs, block_m, top_k=top_k, act=act, bias=b13)
+    if act == ACT_NONE:
+        i = w13.n // 2
+        h = act_fn(h[:, :i], h[:, i:]).contiguous()
+    y = grouped_gemm(h, w2, sorted_ids, expert_ids, n_pairs, block_m, a_by_pair=True,
+                     weights=None if weight_on_input else weights, bias=b2, out_dtype=torch.float32)
+    return y.view(t, top_k, -1).sum(1).to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: KernelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W[N, K]ᵀ + bias`` with the weight dequantized in registers."""
+    lead = x.shape[:-1]
+    a = x.reshape(-1, x.shape[-1])
+    m = a.shape[0]
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    blocks = triton.cdiv(m, block_m)
+    sorted_ids = torch.full((blocks * block_m,), m, dtype=torch.int32, device=x.device)
+    sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
+    expert_ids = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    y = grouped_gemm(a, w, sorted_ids, expert_ids, m, block_m, bias=bias)
+    return y.reshape(*lead, w.n)
