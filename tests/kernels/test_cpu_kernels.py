@@ -11,7 +11,7 @@ CONFIGS = [RTN(4, 128), RTN(4, 32), RTN(8, 64), RTN(4, 128, symmetric=False), RT
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 21])  # 21: three chunks of rows inside the kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_matches_reference(cfg, rows, dtype):
     torch.manual_seed(rows)
@@ -20,7 +20,7 @@ def test_gemv_matches_reference(cfg, rows, dtype):
     x = torch.randn(rows, 256, dtype=dtype)
     bias = torch.randn(96, dtype=dtype)
     kernel = {"rtn": cpu_ops.rtn_gemv, "bnb4": cpu_ops.bnb4_gemv, "int8": cpu_ops.int8_gemv}[q.format]
-    y = kernel(q, x, bias)
+    y = kernel(q, x, bias, max_rows=cpu_ops.MAX_ROWS)
     assert y is not None and y.dtype == dtype and y.shape == (rows, 96)
     ref = reference(q, x.float(), bias.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -29,7 +29,9 @@ def test_gemv_matches_reference(cfg, rows, dtype):
 
 def test_dispatch_declines_big_batches_and_3d_inputs():
     q = RTN(4, 64).quantize(torch.randn(32, 128))
-    assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.MAX_ROWS + 1, 128), None) is None
+    assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.ROWS_SMALL_WEIGHT + 1, 128), None) is None  # dequant+AMX wins
+    assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.ROWS_SMALL_WEIGHT, 128), None) is not None
+    assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.MAX_ROWS + 1, 128), None, max_rows=999) is None
     x = torch.randn(2, 5, 128)  # [batch, seq, K] -> 10 rows: the reference path
     assert torch.allclose(linear(q, x), reference(q, x), atol=1e-5)
     x = torch.randn(1, 2, 128)

@@ -247,16 +247,25 @@ void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, c
     const float half = (float)(1 << (bits - 1));
 #pragma omp parallel for schedule(static)
     for (i64 n = 0; n < N; n++) {
-        float zt[8] = {0}, out[8] = {0};
 #if defined(__AVX512F__)
-        if (gs % 32 == 0) {
-            switch (M) {
-#define RTN_CASE(c) case c: rtn_row_avx512(xe, xo, xsum, c, q, scale, scale_bf16, zero, bits, n, K, gs, out, zt); break;
-                RTN_CASE(1) RTN_CASE(2) RTN_CASE(3) RTN_CASE(4) RTN_CASE(5) RTN_CASE(6) RTN_CASE(7) RTN_CASE(8)
+        if (gs % 32 == 0) {  // rows of x in chunks of 8: the weight row is re-read from L1, not memory
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                const i64 xs = bits == 8 ? K : K / 2;
+                const float* e = xe + m0 * xs;
+                const float* o = xo ? xo + m0 * xs : xo;
+                float zt[8] = {0}, out[8] = {0};
+                switch (mc) {
+#define RTN_CASE(c) case c: rtn_row_avx512(e, o, xsum + m0 * G, c, q, scale, scale_bf16, zero, bits, n, K, gs, out, zt); break;
+                    RTN_CASE(1) RTN_CASE(2) RTN_CASE(3) RTN_CASE(4) RTN_CASE(5) RTN_CASE(6) RTN_CASE(7) RTN_CASE(8)
 #undef RTN_CASE
+                }
+                for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] - zt[m];
             }
-        } else
+            continue;
+        }
 #endif
+        float zt[64] = {0}, out[64] = {0};
         {
             for (i64 g = 0; g < G; g++) {
                 const float s = load_scale(scale, scale_bf16, n * G + g);
@@ -398,16 +407,22 @@ void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* pack
     const i64 nbr = K / bs;  // blocks per row
 #pragma omp parallel for schedule(static)
     for (i64 n = 0; n < N; n++) {
-        float out[8] = {0};
 #if defined(__AVX512F__)
-        if (bs % 32 == 0) {
-            switch (M) {
-#define BNB_CASE(c) case c: bnb4_row_avx512(xe, xo, c, packed, absmax, code, n, K, bs, out); break;
-                BNB_CASE(1) BNB_CASE(2) BNB_CASE(3) BNB_CASE(4) BNB_CASE(5) BNB_CASE(6) BNB_CASE(7) BNB_CASE(8)
+        if (bs % 32 == 0) {  // rows of x in chunks of 8 (weight row re-read from L1)
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                float out[8] = {0};
+                switch (mc) {
+#define BNB_CASE(c) case c: bnb4_row_avx512(xe + m0 * (K / 2), xo + m0 * (K / 2), c, packed, absmax, code, n, K, bs, out); break;
+                    BNB_CASE(1) BNB_CASE(2) BNB_CASE(3) BNB_CASE(4) BNB_CASE(5) BNB_CASE(6) BNB_CASE(7) BNB_CASE(8)
 #undef BNB_CASE
+                }
+                for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
             }
-        } else
+            continue;
+        }
 #endif
+        float out[64] = {0};
         {
             for (i64 g = 0; g < nbr; g++) {
                 const float a = absmax[n * nbr + g];
@@ -431,21 +446,25 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
     for (i64 n = 0; n < N; n++) {
         const int8_t* ww = w + n * K;
         const float s = scb[n] * 7.874015718698502e-3f;
-        float out[8] = {0};
-        i64 k0 = 0;
+        for (i64 m0 = 0; m0 < M; m0 += 8) {  // rows of x in chunks of 8 (weight row re-read from L1)
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            const float* xm = x + m0 * K;
+            float out[8] = {0};
+            i64 k0 = 0;
 #if defined(__AVX512F__)
-        __m512 v[8];
-        for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_ps();
-        for (; k0 + 16 <= K; k0 += 16) {
-            __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ww + k0))));
-            for (i64 m = 0; m < M; m++) v[m] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + m * K + k0), v[m]);
-        }
-        for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(v[m]);
+            __m512 v[8];
+            for (i64 m = 0; m < mc; m++) v[m] = _mm512_setzero_ps();
+            for (; k0 + 16 <= K; k0 += 16) {
+                __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ww + k0))));
+                for (i64 m = 0; m < mc; m++) v[m] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xm + m * K + k0), v[m]);
+            }
+            for (i64 m = 0; m < mc; m++) out[m] = _mm512_reduce_add_ps(v[m]);
 #endif
-        for (i64 m = 0; m < M; m++) {
-            float a = 0.f;
-            for (i64 k = k0; k < K; k++) a += (float)ww[k] * x[m * K + k];
-            y[m * N + n] = (out[m] + a) * s;
+            for (i64 m = 0; m < mc; m++) {
+                float a = 0.f;
+                for (i64 k = k0; k < K; k++) a += (float)ww[k] * xm[m * K + k];
+                y[(m0 + m) * N + n] = (out[m] + a) * s;
+            }
         }
     }
 }

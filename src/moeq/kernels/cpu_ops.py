@@ -1,7 +1,7 @@
 """Native small-batch (decode) matmuls for the packed formats, registered with :mod:`moeq.kernels`.
 
-Each declines (returns None) outside its domain (non-CPU tensors, more than ``MAX_ROWS`` rows, unsupported
-layouts), leaving the reference path: dequantize (natively, fast) + ``F.linear`` (AMX bf16 for many rows)."""
+Each declines (returns None) outside its domain (non-CPU tensors, more rows than pay off — see ``_rows`` —,
+unsupported layouts), leaving the reference path: dequantize (natively, fast) + ``F.linear`` (AMX bf16 for many rows)."""
 from __future__ import annotations
 
 import torch
@@ -9,15 +9,24 @@ import torch
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq.kernels import cpu, register
 
-MAX_ROWS = 8
+MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
+# Measured crossover vs dequantize + AMX bf16 matmul (benchmarks in README): the gemv costs ~linear in rows, the
+# dequantize ~linear in weight size — cheap while the weight is cache-sized, memory-bound for lm_head-sized ones.
+ROWS_SMALL_WEIGHT = 4
+ROWS_LARGE_WEIGHT = 24
+LARGE_WEIGHT = 1 << 25  # elements
 
 
-def _rows(w, x: torch.Tensor):
+def rows_limit(w) -> int:
+    return ROWS_LARGE_WEIGHT if w.numel >= LARGE_WEIGHT else ROWS_SMALL_WEIGHT
+
+
+def _rows(w, x: torch.Tensor, limit: int | None):
     k = w.shape[-1]
     if x.device.type != "cpu" or len(w.shape) != 2 or x.shape[-1] != k:
         return None
     m = x.numel() // k
-    return m if 0 < m <= MAX_ROWS else None
+    return m if 0 < m <= min(MAX_ROWS, rows_limit(w) if limit is None else limit) else None
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -32,8 +41,9 @@ def _even_odd(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @register("rtn")
-def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    m = _rows(w, x)
+def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
+             max_rows: int | None = None) -> torch.Tensor | None:
+    m = _rows(w, x, max_rows)
     L = cpu.lib()
     if m is None or L is None or w.bits not in (4, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -52,8 +62,9 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.
 
 
 @register("bnb4")
-def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    m = _rows(w, x)
+def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None,
+              max_rows: int | None = None) -> torch.Tensor | None:
+    m = _rows(w, x, max_rows)
     L = cpu.lib()
     if m is None or L is None or w.shape[-1] % w.blocksize or (w.numel // w.slices) % w.blocksize:
         return None
@@ -70,8 +81,9 @@ def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 
 @register("int8")
-def int8_gemv(w: Int8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    m = _rows(w, x)
+def int8_gemv(w: Int8Weight, x: torch.Tensor, bias: torch.Tensor | None,
+              max_rows: int | None = None) -> torch.Tensor | None:
+    m = _rows(w, x, max_rows)
     L = cpu.lib()
     if m is None or L is None or not cpu.usable(w.weight, w.scb):
         return None
