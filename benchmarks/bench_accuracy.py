@@ -39,10 +39,47 @@ def methods() -> dict[str, QuantConfig]:
         "FP4 b64 dq": FP4(64, True), "FP4 b128 dq": FP4(128, True),
         "RTN-int8 g64": RTN(8, 64), "RTN-int8 g192": RTN(8, 192), "LLM.int8": Int8(),
         "RTN-int3 asym g64": RTN(3, 64, False), "RTN-int3 asym g64 +clip+refine": RTN(3, 64, False, search=20, refine=2),
+        "RTN-int4 asym g64 +hqq": RTN(4, 64, False, hqq=20),
+        "RTN-int4 asym g192 +hqq": RTN(4, 192, False, hqq=20),
+        "RTN-int3 asym g64 +hqq": RTN(3, 64, False, hqq=20),
+        "RTN-int3 asym g32": RTN(3, 32, False), "RTN-int3 asym g32 +hqq": RTN(3, 32, False, hqq=20),
+        "3-bit experts g32 +hqq, attention int8": QuantConfig(RTN(3, 32, False, hqq=20),
+                                                              rules={"*.self_attn.*": RTN(8, 64)}),
         "preset balanced": presets()["balanced"],
         "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
     }
     return {k: QuantConfig.of(v) for k, v in m.items()}
+
+
+HQQ_LIB = {"hqq library 4-bit g64 (fp16 scale+zero)": (4, 64), "hqq library 3-bit g64 (fp16 scale+zero)": (3, 64)}
+
+
+def hqq_library_model(path: str, nbits: int, group_size: int):
+    """The same weights quantized by the hqq library itself (HQQ's optimizer, its defaults: axis 1, L_p 0.7,
+    rounded zero at 4 bits; fp16 scale and zero per group), dequantized back into the bf16 model."""
+    import torch
+    from hqq.core.quantize import Quantizer
+
+    m = moeq.load(path, progress=False)
+
+    def qdq(w):
+        wq, meta = Quantizer.quantize(w.float(), nbits=nbits, channel_wise=True, group_size=group_size,
+                                      optimize=True, round_zero=nbits == 4, axis=1, bitpack=False, device="cpu")
+        meta["compute_dtype"] = torch.float32
+        return Quantizer.dequantize(wq, meta).to(w.dtype)
+
+    n = 0
+    with torch.no_grad():
+        for name, mod in m.named_modules():
+            if hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj"):
+                for p in (mod.gate_up_proj, mod.down_proj):
+                    for e in range(p.shape[0]):
+                        p[e] = qdq(p[e])
+                        n += p[e].numel()
+            elif name.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                mod.weight.copy_(qdq(mod.weight))
+                n += mod.weight.numel()
+    return m, n, nbits + 32 / group_size
 
 
 def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
@@ -60,6 +97,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=6144)
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "accuracy.json"))
+    ap.add_argument("--merge", action="store_true", help="update/append these rows in --out instead of rewriting")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.model)
     ids = tokenize(tok, heldout_text(sorted(DATA.glob("text_*.txt"))))
@@ -76,9 +114,26 @@ def main():
         rows[name] = {"method": name, "quantize_seconds": secs, "bits_per_weight": info["quantized_bits_per_weight"],
                       "quantized_params": info["quantized_params"],
                       "quantize_gbps": info["quantized_params"] * 2 / secs / 1e9}
+    for name, (nbits, gs) in HQQ_LIB.items():
+        if args.only and name not in args.only:
+            continue
+        try:
+            t0 = time.perf_counter()
+            m, n, bpw = hqq_library_model(args.model, nbits, gs)
+        except ImportError:
+            print(f"skipping {name}: the hqq library is not installed")
+            continue
+        secs = time.perf_counter() - t0
+        models[name] = m
+        rows[name] = {"method": name, "quantize_seconds": secs, "bits_per_weight": bpw, "quantized_params": n,
+                      "quantize_gbps": n * 2 / secs / 1e9}
     res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens)
     for k, r in res.items():
         rows[k].update(r.to_dict())
+    if args.merge and Path(args.out).exists():
+        old = {r["method"]: r for r in json.loads(Path(args.out).read_text())["rows"]}
+        old.update(rows)
+        rows = old
     base = rows.get("vLLM RTN-int4 sym g192")
     for r in rows.values():
         if base:

@@ -55,6 +55,7 @@ class RTN(FormatConfig):
     grid: str = "vllm"
     search: int = 0  # clip candidates tried per group (0: plain rounding)
     refine: int = 0  # least-squares (scale, zero) rounds
+    hqq: int = 0  # HQQ proximal zero-point iterations (asymmetric)
     name: ClassVar[str] = "rtn"
 
     def __post_init__(self):
@@ -66,11 +67,12 @@ class RTN(FormatConfig):
 
     def quantize(self, w, name=None, slices=None):
         return rtn.quantize(w, self.bits, self.group_size, self.symmetric, self.grid, name=name, search=self.search,
-                            refine=self.refine)
+                            refine=self.refine, hqq=self.hqq)
 
     def label(self) -> str:
         kind = "asym" if not self.symmetric else ("" if self.grid == "vllm" else self.grid)
-        opt = (f"-s{self.search}" if self.search else "") + (f"-r{self.refine}" if self.refine else "")
+        opt = ((f"-s{self.search}" if self.search else "") + (f"-r{self.refine}" if self.refine else "")
+               + (f"-h{self.hqq}" if self.hqq else ""))
         return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}{opt}"
 
 

@@ -122,11 +122,13 @@ def quantize(
     native: bool = True,
     search: int = 0,
     refine: int = 0,
+    hqq: int = 0,
 ) -> RTNWeight:
     """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors; ``native=False`` forces the
     plain-torch path (the native kernel's ground truth; both give identical bytes). ``search`` (number of clip
     candidates) and ``refine`` (least-squares rounds) turn on the calibration-free improvements of
-    :mod:`moeq.formats.search`; the storage stays the same."""
+    :mod:`moeq.formats.search`; ``hqq`` (iterations, asymmetric grids) runs HQQ's proximal zero-point
+    optimization after them. The storage stays the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if not valid_group_size(group_size):
@@ -143,7 +145,9 @@ def quantize(
     gs = k if group_size == -1 else group_size
     if (search or refine) and symmetric and grid != "vllm":
         raise ValueError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
-    if (native and not (search or refine) and (grid == "vllm" or not symmetric) and bits in (4, 8)
+    if hqq and symmetric:
+        raise ValueError("hqq optimizes the zero point: it needs an asymmetric grid (symmetric=False)")
+    if (native and not (search or refine or hqq) and (grid == "vllm" or not symmetric) and bits in (4, 8)
             and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
         native = _quantize_native(w, bits, gs, symmetric)
         if native is not None:
@@ -167,6 +171,11 @@ def quantize(
             q, s, z2 = rtn_search(g.float(), bits, symmetric, w.dtype, (q, s.unsqueeze(-1), z0.unsqueeze(-1)),
                                   candidates=search, refine=refine)
             z = None if symmetric else z2.to(torch.uint8)
+        if hqq:
+            from moeq.formats.search import hqq_zero  # noqa: PLC0415
+
+            qf, zf = hqq_zero(g.float(), bits, s.float().unsqueeze(-1), z.float().unsqueeze(-1), iters=hqq)
+            q, z = qf.to(torch.uint8), zf.squeeze(-1).to(torch.uint8)
         qdata[a:b] = pack(q.flatten(-2), bits)
         scale[a:b] = s
         if zero is not None:
