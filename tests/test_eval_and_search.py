@@ -30,18 +30,18 @@ def test_rtn_search_and_refine_never_worse(bits, sym):
 
 
 @pytest.mark.parametrize("bits", [4, 3])
-def test_hqq_zero_point_never_worse_in_its_objective(bits):
-    """HQQ's proximal zero-point steps: per group, mean |W - W_r| (HQQ's criterion) never above plain rounding and
+def test_hqq_never_worse_in_its_objective(bits):
+    """HQQ-style half-quadratic steps: per group, mean |W - W_r| (HQQ's criterion) never above plain rounding and
     lower overall on heavy-tailed weights; storage unchanged."""
     w = heavy((64, 512), seed=bits)
     base = rtn.quantize(w, bits, 64, symmetric=False)
     opt = rtn.quantize(w, bits, 64, symmetric=False, hqq=20)
     e0 = (w.float() - base.dequantize(torch.float32)).abs().reshape(64, 8, 64).mean(-1)
     e1 = (w.float() - opt.dequantize(torch.float32)).abs().reshape(64, 8, 64).mean(-1)
-    assert (e1 <= e0 * (1 + 1e-6)).all() and e1.mean() < 0.99 * e0.mean()
+    assert (e1 <= e0 * (1 + 1e-6)).all() and e1.mean() < 0.98 * e0.mean()
     assert opt.qdata.shape == base.qdata.shape and opt.zero.dtype == torch.uint8  # same storage
-    assert torch.equal(opt.scale, base.scale)  # HQQ moves the zero point only
-    with pytest.raises(ValueError, match="hqq optimizes the zero point: it needs an asymmetric grid"):
+    assert opt.scale.dtype == base.scale.dtype
+    with pytest.raises(ValueError, match="hqq fits a scale and a zero point: it needs an asymmetric grid"):
         rtn.quantize(w, bits, 64, symmetric=True, hqq=5)
 
 

@@ -55,7 +55,7 @@ class RTN(FormatConfig):
     grid: str = "vllm"
     search: int = 0  # clip candidates tried per group (0: plain rounding)
     refine: int = 0  # least-squares (scale, zero) rounds
-    hqq: int = 0  # HQQ proximal zero-point iterations (asymmetric)
+    hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
     name: ClassVar[str] = "rtn"
 
     def __post_init__(self):

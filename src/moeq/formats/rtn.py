@@ -127,7 +127,7 @@ def quantize(
     """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors; ``native=False`` forces the
     plain-torch path (the native kernel's ground truth; both give identical bytes). ``search`` (number of clip
     candidates) and ``refine`` (least-squares rounds) turn on the calibration-free improvements of
-    :mod:`moeq.formats.search`; ``hqq`` (iterations, asymmetric grids) runs HQQ's proximal zero-point
+    :mod:`moeq.formats.search`; ``hqq`` (iterations, asymmetric grids) runs HQQ-style half-quadratic
     optimization after them. The storage stays the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
@@ -146,7 +146,7 @@ def quantize(
     if (search or refine) and symmetric and grid != "vllm":
         raise ValueError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
     if hqq and symmetric:
-        raise ValueError("hqq optimizes the zero point: it needs an asymmetric grid (symmetric=False)")
+        raise ValueError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
     if (native and not (search or refine or hqq) and (grid == "vllm" or not symmetric) and bits in (4, 8)
             and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
         native = _quantize_native(w, bits, gs, symmetric)
@@ -172,10 +172,10 @@ def quantize(
                                   candidates=search, refine=refine)
             z = None if symmetric else z2.to(torch.uint8)
         if hqq:
-            from moeq.formats.search import hqq_zero  # noqa: PLC0415
+            from moeq.formats.search import hqq as hqq_opt  # noqa: PLC0415
 
-            qf, zf = hqq_zero(g.float(), bits, s.float().unsqueeze(-1), z.float().unsqueeze(-1), iters=hqq)
-            q, z = qf.to(torch.uint8), zf.squeeze(-1).to(torch.uint8)
+            qf, sf, zf = hqq_opt(g.float(), bits, s.float().unsqueeze(-1), z.float().unsqueeze(-1), w.dtype, iters=hqq)
+            q, s, z = qf.to(torch.uint8), sf.squeeze(-1).to(w.dtype), zf.squeeze(-1).to(torch.uint8)
         qdata[a:b] = pack(q.flatten(-2), bits)
         scale[a:b] = s
         if zero is not None:

@@ -5,9 +5,8 @@ same kernels and exporters serve them):
   one with the least squared reconstruction error (the grid search of llama.cpp's k-quants / AWQ-free "MSE clip");
 - ``refine``: alternate least squares on the group's (scale, zero) given its codes, then re-round the codes
   (a data-free relative of HQQ's half-quadratic updates, restricted to the integer zero point the layout stores);
-- ``hqq``: HQQ's half-quadratic proximal optimization of the zero point (Badri & Shaji, 2023; the hqq library's
-  ``optimize_weights_proximal``): an L_p (p < 1) fit that lets a few weights err so the bulk fits, proposing zero
-  points that are rounded to the integer the layout stores;
+- ``hqq``: HQQ's half-quadratic splitting (Badri & Shaji, 2023; the hqq library's ``optimize_weights_proximal``)
+  with an L_p (p < 1) outlier term, refitting scale and the stored integer zero point (see :func:`hqq`);
 - NF4/FP4 ``absmax`` search: bitsandbytes decodes ``code * absmax``; storing a smaller absmax per block clips the
   outliers and spends the 16 codes on the bulk — bnb's format and decoder are unchanged.
 
@@ -82,30 +81,39 @@ def _shrink_lp(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
     return torch.sign(x) * (a - a.pow(p - 1) / beta).clamp(min=0)
 
 
-def hqq_zero(g: torch.Tensor, bits: int, s: torch.Tensor, z: torch.Tensor, iters: int = 20, lp_norm: float = 0.7,
-             beta: float = 10.0, kappa: float = 1.01) -> tuple[torch.Tensor, torch.Tensor]:
-    """HQQ proximal updates of the zero point of asymmetric groups ``g [R, G, gs]`` (fp32) with scale ``s`` and
-    integer zero ``z`` (``[R, G, 1]``): ``W_e = shrink_lp(W - W_r)``, ``z = mean(q - (W - W_e) / s)``, beta grown by
-    kappa (HQQ's defaults). Every iterate's zero is rounded to the stored integer and kept per group when it lowers
-    the group's mean |W - W_r|. Returns (codes, zero) as float tensors."""
+def hqq(g: torch.Tensor, bits: int, s: torch.Tensor, z: torch.Tensor, storage: torch.dtype, iters: int = 20,
+        lp_norm: float = 0.7, beta: float = 10.0, kappa: float = 1.01) -> tuple[torch.Tensor, ...]:
+    """Half-quadratic splitting (HQQ, Badri & Shaji 2023) for asymmetric groups ``g [R, G, gs]`` (fp32) starting
+    from scale ``s`` and integer zero ``z`` (``[R, G, 1]``).
+
+    HQQ's own update moves only the zero point, as a real number: with the integer zero point this layout stores
+    (vLLM's / compressed-tensors' asymmetric format) it rounds back to plain RTN (measured: identical error).
+    So each step here takes HQQ's sparse outlier term ``W_e = shrink_lp(W - W_r)`` (an L_p, p < 1, fit that lets a
+    few weights err) and refits *scale and integer zero* by least squares to the de-outliered target ``W - W_e``,
+    then re-rounds the codes; beta grows by kappa (HQQ's defaults). Per group the iterate with the lowest mean
+    |W - W_r| (HQQ's criterion) is kept, so it is never worse than the start. Returns (codes, scale, zero)."""
     maxq = (1 << bits) - 1
-    safe = torch.where(s == 0, torch.ones_like(s), s)
-    best_z = z.float()
-    best_q = _round_codes(g, s, best_z, maxq)
-    best_e = (g - (best_q - best_z) * s).abs().mean(-1, keepdim=True)
-    zf = best_z.clone()
+    q = _round_codes(g, s, z, maxq)
+
+    def l1(q, s, z):
+        return (g - (q - z) * s).abs().mean(-1, keepdim=True)
+
+    best_q, best_s, best_z, best_e = q, s, z, l1(q, s, z)
     for _ in range(iters):
-        q = ((g / safe) + zf).round().clamp(0, maxq)
-        w_e = _shrink_lp(g - (q - zf) * s, beta, lp_norm)
-        zf = (q - (g - w_e) / safe).mean(-1, keepdim=True)
+        target = g - _shrink_lp(g - (q - z) * s, beta, lp_norm)
+        qm, tm = q.mean(-1, keepdim=True), target.mean(-1, keepdim=True)
+        var = (q - qm).pow(2).mean(-1, keepdim=True)
+        s = torch.where(var > 0, ((q - qm) * (target - tm)).mean(-1, keepdim=True) / var.clamp(min=1e-30), s)
+        s = s.clamp(min=1e-12).to(storage).float()
+        z = (qm - tm / s).round().clamp(0, maxq)
+        q = _round_codes(g, s, z, maxq)
         beta *= kappa
-        zi = zf.round().clamp(0, maxq)
-        qi = _round_codes(g, s, zi, maxq)
-        e = (g - (qi - zi) * s).abs().mean(-1, keepdim=True)
+        e = l1(q, s, z)
         better = e < best_e
-        best_q, best_z, best_e = torch.where(better, qi, best_q), torch.where(better, zi, best_z), torch.minimum(
-            e, best_e)
-    return best_q, best_z
+        best_q, best_s, best_z = (torch.where(better, q, best_q), torch.where(better, s, best_s),
+                                  torch.where(better, z, best_z))
+        best_e = torch.minimum(e, best_e)
+    return best_q, best_s, best_z
 
 
 def bnb4_absmax_search(blocks: torch.Tensor, absmax: torch.Tensor, code_sorted: torch.Tensor, bounds: torch.Tensor,

@@ -65,6 +65,13 @@ def lib() -> ctypes.CDLL | None:
     return L
 
 
+@functools.cache
+def has_dpbf16() -> bool:
+    """The kernels were built with AVX512-BF16 dot products (``moeq_rtn4_gemv_bf16``'s fast path)."""
+    L = lib()
+    return bool(L is not None and L.moeq_has_dpbf16())
+
+
 def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 

@@ -291,6 +291,84 @@ void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, c
     }
 }
 
+// 4-bit RTN with bf16 activations: AVX512-BF16 dot products (vdpbf16ps, two weights per fp32 lane). Each packed
+// byte b (element 2j low nibble, 2j+1 high nibble) becomes the bf16 pair (128 + lo, 128 + hi): 0x4300 | c is
+// bf16(128 + c) exactly, so one shift, one or and one ternary-logic op build 32 weights; the +128 (and the zero
+// point) come out through per-group sums of x: sum (c - z) x = sum (c + 128) x - (z + 128) sum x. Products are exact
+// in fp32; only the summation order differs from the fp32 path. ~1.5-2x fewer instructions per weight.
+int moeq_has_dpbf16(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void rtn4_row_dpbf16(
+    const uint16_t* xb, const float* xsum, const i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+    const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
+    const i64 G = K / gs;
+    const __m512i magic = _mm512_set1_epi32(0x43004300), mask = _mm512_set1_epi32(0x000F000F);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        const float s = load_scale(scale, scale_bf16, n * G + g);
+        const float z = (zero ? (float)zero[n * G + g] : 8.f) + 128.f;
+        for (i64 m = 0; m < M; m++) zt[m] += z * s * xsum[m * G + g];
+        __m512 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_ps();
+        const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+        const uint16_t* xg = xb + g * gs;
+        for (i64 j = 0; j < gs / 2; j += 16) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
+            __m512i t = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
+            __m512i wv = _mm512_ternarylogic_epi32(t, mask, magic, 0xEA);  // (t & mask) | magic
+            for (i64 m = 0; m < M; m++)
+                v[m] = _mm512_dpbf16_ps(v[m], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(xg + m * K + 2 * j));
+        }
+        const __m512 sv = _mm512_set1_ps(s);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(v[m], sv, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// y[M, N] = x[M, K] @ dequant(W)^T for 4-bit RTN, x bf16 (raw uint16 bits) with per-group sums xsum [M, G] (fp32,
+// of the bf16 values). gs % 32 == 0.
+void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                         int scale_bf16, const uint8_t* zero, i64 N, i64 K, i64 gs, float* y) {
+    const i64 G = K / gs;
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        for (i64 m0 = 0; m0 < M; m0 += 8) {
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            float zt[8] = {0}, out[8] = {0};
+#if defined(__AVX512BF16__)
+            switch (mc) {
+#define DP_CASE(c) case c: rtn4_row_dpbf16(xb + m0 * K, xsum + m0 * G, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); break;
+                DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
+#undef DP_CASE
+            }
+#else
+            for (i64 g = 0; g < G; g++) {
+                const float s = load_scale(scale, scale_bf16, n * G + g);
+                const float z = zero ? (float)zero[n * G + g] : 8.f;
+                const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+                for (i64 m = 0; m < mc; m++) {
+                    const uint16_t* xx = xb + (m0 + m) * K + g * gs;
+                    float a = 0.f;
+                    for (i64 j = 0; j < gs / 2; j++)
+                        a += ((float)(qq[j] & 15) - z) * bf2f(xx[2 * j]) + ((float)(qq[j] >> 4) - z) * bf2f(xx[2 * j + 1]);
+                    out[m] += a * s;
+                }
+            }
+#endif
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] - zt[m];
+        }
+    }
+}
+
 // ---------------------------------------------------------------- bnb4 ------------------------------------------
 // Whole blocks only (n % bs == 0): absmax = max|x|, scaled = clamp(x * (1/absmax), -1, 1), code = number of sorted
 // midpoints strictly below (ties to the lower code), remapped by `order` (FP4); even element -> HIGH nibble.
@@ -474,6 +552,7 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 // act(w13 @ x) and out[token] += weight * y. Removes the per-expert Python dispatch that dominates small batches.
 typedef struct {
     int fmt;                     // 0 = RTN, 1 = bnb4
+    int dot_bf16;                // RTN 4-bit: round activations to bf16 and use moeq_rtn4_gemv_bf16
     const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
     const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
     int scale_bf16;              // RTN: scale is bf16; bnb4: absmax is uint8 (double quant)
@@ -491,7 +570,24 @@ typedef struct {
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
-    if (w->fmt == 0) {
+    if (w->fmt == 0 && w->bits == 4 && w->dot_bf16) {
+        const i64 G = K / w->gs;
+        uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
+        float* xs = scratch + m * K;
+        for (i64 r = 0; r < m; r++)
+            for (i64 g = 0; g < G; g++) {
+                float s = 0.f;
+                for (i64 k = 0; k < w->gs; k++) {
+                    const uint16_t h = f2bf(x[r * K + g * w->gs + k]);
+                    xb[r * K + g * w->gs + k] = h;
+                    s += bf2f(h);
+                }
+                xs[r * G + g] = s;
+            }
+        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
+                            w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y);
+    } else if (w->fmt == 0) {
         const i64 G = K / w->gs;
         float* xe = scratch;
         float* xo = xe + m * K;

@@ -51,6 +51,14 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
         return None
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
+    if w.bits == 4 and x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():
+        xb = x.reshape(m, k).contiguous()
+        xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        L.moeq_rtn4_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
+                              int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n), cpu.i64(k),
+                              cpu.i64(gs), cpu.ptr(y))
+        return _finish(y, x, n, bias)
     xf = x.reshape(m, k).float().contiguous()
     xsum = xf.view(m, k // gs, gs).sum(-1).contiguous()
     xe, xo = _even_odd(xf) if w.bits == 4 else (xf, None)

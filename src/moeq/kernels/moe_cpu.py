@@ -13,15 +13,16 @@ MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measure
 
 
 class WStack(ctypes.Structure):
-    _fields_ = [("fmt", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+    _fields_ = [("fmt", ctypes.c_int), ("dot_bf16", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("scale_bf16", ctypes.c_int), ("zero", ctypes.c_void_p), ("bits", ctypes.c_int),
                 ("gs", ctypes.c_int64), ("code", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p), ("spe", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
 
 
-def _stack(w: PackedWeight, keep: list) -> WStack | None:
-    """Describe an expert stack ``[E, N, K]`` for the kernel (``keep`` holds the tensors alive)."""
+def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
+    """Describe an expert stack ``[E, N, K]`` for the kernel (``keep`` holds the tensors alive). ``dot_bf16``: the
+    model computes in bf16, so 4-bit RTN may take its activations as bf16 (AVX512-BF16 dot products)."""
     e, n, k = w.shape
     if isinstance(w, RTNWeight):
         gs = k if w.group_size == -1 else w.group_size
@@ -30,7 +31,8 @@ def _stack(w: PackedWeight, keep: list) -> WStack | None:
         if not cpu.usable(w.qdata, w.scale, w.zero):
             return None
         keep += [w.qdata, w.scale, w.zero]
-        return WStack(0, w.qdata.data_ptr(), w.scale.data_ptr(), int(w.scale.dtype == torch.bfloat16),
+        return WStack(0, int(dot_bf16 and w.bits == 4), w.qdata.data_ptr(), w.scale.data_ptr(),
+                      int(w.scale.dtype == torch.bfloat16),
                       0 if w.zero is None else w.zero.data_ptr(), w.bits, gs, None, None, None, None, 1, n, k)
     if isinstance(w, Bnb4Weight):
         spe = w.slices // e if w.slices % e == 0 else 0
@@ -42,7 +44,7 @@ def _stack(w: PackedWeight, keep: list) -> WStack | None:
             return None
         keep += tensors
         dq = w.offset is not None
-        return WStack(1, w.packed.data_ptr(), w.absmax.data_ptr(), int(dq), None, 4, w.blocksize, code.data_ptr(),
+        return WStack(1, 0, w.packed.data_ptr(), w.absmax.data_ptr(), int(dq), None, 4, w.blocksize, code.data_ptr(),
                       w.offset.data_ptr() if dq else None, w.nested_absmax.data_ptr() if dq else None,
                       w.nested_code.data_ptr() if dq else None, spe, n, k)
     return None
@@ -55,7 +57,8 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     if L is None or x.device.type != "cpu" or max(counts) > MAX_ROWS:
         return None
     keep: list = []
-    s13, s2 = _stack(w13, keep), _stack(w2, keep)
+    dot = x.dtype == torch.bfloat16 and cpu.has_dpbf16()
+    s13, s2 = _stack(w13, keep, dot), _stack(w2, keep, dot)
     if s13 is None or s2 is None:
         return None
     e, two_i, h = w13.shape
