@@ -43,6 +43,7 @@ def methods() -> dict[str, QuantConfig]:
         "RTN-int4 asym g192 +hqq": RTN(4, 192, False, hqq=20),
         "RTN-int3 asym g64 +hqq": RTN(3, 64, False, hqq=20),
         "RTN-int3 asym g32": RTN(3, 32, False), "RTN-int3 asym g32 +hqq": RTN(3, 32, False, hqq=20),
+        "RTN-int3 asym g32 +clip+refine": RTN(3, 32, False, search=20, refine=2),
         "3-bit experts g32 +hqq, attention int8": QuantConfig(RTN(3, 32, False, hqq=20),
                                                               rules={"*.self_attn.*": RTN(8, 64)}),
         "preset balanced": presets()["balanced"],

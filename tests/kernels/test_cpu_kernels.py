@@ -67,3 +67,35 @@ def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
     monkeypatch.setattr(ex, "moe_forward", lambda *args: None)
     loop = mod(x, idx, wts)
     assert torch.allclose(fused, loop, atol=1e-5 * loop.abs().max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 32, symmetric=False), RTN(8, 128)], ids=lambda c: c.label())
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
+    """bf16 models: 4-bit RTN experts run the expert-parallel AVX512-BF16 layer kernel; equal to the per-expert
+    loop (which rounds to bf16 between the matmuls as transformers does) within bf16 noise."""
+    import moeq.nn.experts as ex
+    from moeq.nn import Activation, QuantExperts
+
+    torch.manual_seed(t)
+    e, h, i, a = 8, 256, 128, 3
+    gu, dn = torch.randn(e, 2 * i, h) * 0.05, torch.randn(e, h, i) * 0.05
+    mod = QuantExperts(cfg.quantize(gu.bfloat16()), cfg.quantize(dn.bfloat16()), Activation())
+    x = torch.randn(t, h).bfloat16()
+    idx = torch.stack([torch.randperm(e)[:a] for _ in range(t)])
+    wts = torch.rand(t, a).bfloat16()
+    calls = []
+    real = ex.moe_forward
+    monkeypatch.setattr(ex, "moe_forward", lambda *args: calls.append(1) or real(*args))
+    fused = mod(x, idx, wts).float()
+    assert calls and fused.dtype == torch.float32
+    monkeypatch.setattr(ex, "moe_forward", lambda *args: None)
+    loop = mod(x, idx, wts).float()
+    exact = torch.zeros(t, h)  # fp32 from the same dequantized weights
+    d13, d2 = mod.w13.dequantize(torch.float32), mod.w2.dequantize(torch.float32)
+    for r in range(t):
+        for j in range(a):
+            hh = d13[idx[r, j]] @ x[r].float()
+            exact[r] += wts[r, j].float() * (d2[idx[r, j]] @ (torch.nn.functional.silu(hh[:i]) * hh[i:]))
+    assert (fused - exact).abs().max() < 0.02 * exact.abs().max()
+    assert (fused - exact).abs().max() <= 1.5 * (loop - exact).abs().max() + 1e-6  # no worse than transformers' way

@@ -9,6 +9,7 @@
 //   int8: w int8 [N, K], scb fp32 [N]
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -661,6 +662,103 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
             }
         }
     }
+}
+
+// The same layer for 4-bit RTN experts with bf16 activations, parallel across experts: one parallel loop over the
+// rows of every active expert's w13 (SiLU-GLU applied after), one over every active expert's w2 — two fork/joins
+// per layer instead of two per expert, and the threads stream the experts' weights back to back.
+// scratch (floats): A*8*(H/2 + H/16 + 2I + I/2 + I/16 + H) + 64, A = active experts (rows per expert <= 8).
+void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                                const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E,
+                                float* out, float* scratch) {
+    i64 A = 0;
+    for (i64 e = 0; e < E; e++) A += expert_start[e + 1] > expert_start[e];
+    i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
+    A = 0;
+    for (i64 e = 0; e < E; e++)
+        if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
+    uint16_t* xb = (uint16_t*)scratch;                  // [A, 8, H] bf16
+    float* xs = scratch + A * 8 * H / 2;                // [A, 8, G1]
+    float* h = xs + A * 8 * G1;                         // [A, 8, 2I]
+    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);         // [A, 8, I] bf16
+    float* as = h + A * 8 * I2 + A * 8 * I / 2;         // [A, 8, G2]
+    float* y = as + A * 8 * G2;                         // [A, 8, H]
+    for (i64 a = 0; a < A; a++) {
+        const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
+        for (i64 r = 0; r < m; r++) {
+            const float* xr = x + pair_tok[p0 + r] * H;
+            uint16_t* dst = xb + (a * 8 + r) * H;
+            for (i64 g = 0; g < G1; g++) {
+                float sum = 0.f;
+                for (i64 k = g * w13->gs; k < (g + 1) * w13->gs; k++) {
+                    dst[k] = f2bf(xr[k]);
+                    sum += bf2f(dst[k]);
+                }
+                xs[(a * 8 + r) * G1 + g] = sum;
+            }
+        }
+    }
+    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (i64 t = 0; t < A * I2; t++) {
+        const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
+        float zt[8] = {0}, o[8] = {0};
+        const uint8_t* q = w13->q + e * (I2 * H / 2);
+        const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
+        const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
+        const uint16_t* xa = xb + a * 8 * H;
+        const float* xsa = xs + a * 8 * G1;
+#if defined(__AVX512BF16__)
+        switch (m) {
+#define C13(c) case c: rtn4_row_dpbf16(xa, xsa, c, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt); break;
+            C13(1) C13(2) C13(3) C13(4) C13(5) C13(6) C13(7) C13(8)
+#undef C13
+        }
+#endif
+        for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
+    }
+    for (i64 a = 0; a < A; a++) {
+        const i64 e = act[a], m = expert_start[e + 1] - expert_start[e];
+        for (i64 r = 0; r < m; r++) {
+            const float* hr = h + (a * 8 + r) * I2;
+            uint16_t* dst = ab + (a * 8 + r) * I;
+            for (i64 g = 0; g < G2; g++) {
+                float sum = 0.f;
+                for (i64 i = g * w2->gs; i < (g + 1) * w2->gs; i++) {
+                    dst[i] = f2bf(silu(hr[i]) * hr[I + i]);
+                    sum += bf2f(dst[i]);
+                }
+                as[(a * 8 + r) * G2 + g] = sum;
+            }
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (i64 t = 0; t < A * H; t++) {
+        const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
+        float zt[8] = {0}, o[8] = {0};
+        const uint8_t* q = w2->q + e * (H * I / 2);
+        const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
+        const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
+#if defined(__AVX512BF16__)
+        switch (m) {
+#define C2(c) case c: rtn4_row_dpbf16(ab + a * 8 * I, as + a * 8 * G2, c, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt); break;
+            C2(1) C2(2) C2(3) C2(4) C2(5) C2(6) C2(7) C2(8)
+#undef C2
+        }
+#endif
+        for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
+    }
+    for (i64 a = 0; a < A; a++) {
+        const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
+        for (i64 r = 0; r < m; r++) {
+            const float wgt = pair_w[p0 + r];
+            float* o = out + pair_tok[p0 + r] * H;
+            const float* yr = y + (a * 8 + r) * H;
+            for (i64 k = 0; k < H; k++) o[k] += wgt * yr[k];
+        }
+    }
+    free(act);
 }
 
 // LLM.int8 dequantization: w * scb * (1/127) in fp32 (torch's order), rounded once to bf16 if asked.

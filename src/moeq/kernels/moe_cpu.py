@@ -69,6 +69,13 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     tok = token_of.to(torch.int64).contiguous()
     wts = weight_of.float().contiguous()
     out = torch.zeros_like(xf)
+    if s13.dot_bf16 and s2.dot_bf16 and cpu.has_dpbf16():  # 4-bit RTN, bf16 x: the layer parallel across experts
+        active = sum(1 for c in counts if c)
+        scratch = torch.empty(active * 8 * (h // 2 + h // 16 + 2 * i + i // 2 + i // 16 + h) + 64)
+        L.moeq_moe_forward_rtn4_bf16(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i),
+                                     cpu.ptr(tok), cpu.ptr(wts), cpu.ptr(starts), cpu.i64(e), cpu.ptr(out),
+                                     cpu.ptr(scratch))
+        return out.to(x.dtype)
     kmax, nmax = max(h, i), max(two_i, h)
     scratch = torch.empty(8 * h * 2 + 8 * 3 * i + 2 * 8 * kmax + 8 * (kmax // 16 + 1) + nmax * kmax // 32 + 64)
     L.moeq_moe_forward(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i), cpu.ptr(tok),
