@@ -52,12 +52,14 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
     if w.bits == 4 and x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():
-        xb = x.reshape(m, k).contiguous()
+        xb = x.reshape(m, k)
         xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
+        p64 = gs % 64 == 0  # the kernel reads each 64-chunk of x as (even elements, odd elements)
+        xb = xb.view(m, k // 64, 32, 2).transpose(-1, -2).contiguous() if p64 else xb.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         L.moeq_rtn4_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
                               int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n), cpu.i64(k),
-                              cpu.i64(gs), cpu.ptr(y))
+                              cpu.i64(gs), cpu.ptr(y), int(p64))
         return _finish(y, x, n, bias)
     xf = x.reshape(m, k).float().contiguous()
     xsum = xf.view(m, k // gs, gs).sum(-1).contiguous()
