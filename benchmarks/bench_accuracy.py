@@ -6,7 +6,9 @@ Experts and attention are quantized (default policy: router, embeddings, lm_head
 (hidden 576, expert 192) are not multiples of 128, so the "128" column uses group 192 (576 = 3 x 192), the
 nearest size dividing every dim; bnb blocks of 128 run over the flattened tensor as bitsandbytes does.
 
-    python benchmarks/bench_accuracy.py [--model DIR] [--max-tokens 6144] [--ctx 512]
+    python benchmarks/bench_accuracy.py [--model DIR] [--max-tokens 6144] [--ctx 512] [--only NAME...] [--merge]
+
+The hqq-library rows need the hqq package (``DISABLE_CUDA=1 pip install hqq``); without it they are skipped.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -162,16 +162,14 @@ class _Planner:
             return a[perm]
         return permuted
 
-    def add(self, name: str, make: Callable[[], np.ndarray], qtype: str, note: str, logical: tuple[int, ...],
-            dtype=None):
+    def add(self, name: str, make: Callable[[], np.ndarray], qtype: str, note: str, logical: tuple[int, ...]):
+        """Plan one tensor: ``logical`` is its shape in values; quantized types are written as block bytes."""
         gq = self.gguf.GGMLQuantizationType[qtype]
-        block, type_size = self.gguf.GGML_QUANT_SIZES[gq]
-        shape = tuple(logical[:-1]) + (logical[-1] // block * type_size,)
         if qtype in ("F32", "F16", "BF16"):
-            shape = tuple(logical)
-            dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype]
+            shape, dtype = tuple(logical), {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype]
         else:
-            dtype = np.uint8
+            block, type_size = self.gguf.GGML_QUANT_SIZES[gq]
+            shape, dtype = tuple(logical[:-1]) + (logical[-1] // block * type_size,), np.uint8
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         self.plan.append(Planned(name, gq, self._permute(name, make), shape, np.dtype(dtype), nbytes, note))
 
@@ -391,10 +389,3 @@ def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool 
             "requantized": requant, "kept_unquantized": [t.name for t in p.plan if t.note == "kept" and
                                                           len(t.shape) >= 2]}
 
-
-def tensors_written(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, fp32 values) of every tensor of a GGUF file, decoded by the gguf package (used by tests/tools)."""
-    gguf = _gguf()
-    r = gguf.GGUFReader(path)
-    for t in r.tensors:
-        yield t.name, gguf.quants.dequantize(t.data, t.tensor_type)
