@@ -69,10 +69,12 @@ def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
     assert torch.allclose(fused, loop, atol=1e-5 * loop.abs().max(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 32, symmetric=False), RTN(8, 128)], ids=lambda c: c.label())
+@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 32, symmetric=False), RTN(8, 128), BNB4("nf4", 64, True),
+                                 BNB4("fp4", 128, False)], ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [1, 5])
 def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
-    """bf16 models: 4-bit RTN experts run the expert-parallel AVX512-BF16 layer kernel; equal to the per-expert
+    """bf16 models: 4-bit RTN experts run the expert-parallel AVX512-BF16 layer kernel, NF4/FP4 the bf16-dot gemv;
+    equal to the per-expert
     loop (which rounds to bf16 between the matmuls as transformers does) within bf16 noise."""
     import moeq.nn.experts as ex
     from moeq.nn import Activation, QuantExperts

@@ -533,6 +533,67 @@ static inline __attribute__((always_inline)) void bnb4_row_avx512(
 }
 #endif
 
+// NF4/FP4 with bf16 activations (blocksize % 64 == 0, x permuted per 64-chunk like the 4-bit RTN kernel): each
+// nibble indexes a 16-entry table of bf16(code) words (vpermw), two dot products per 64 weights, absmax per block
+// in fp32. bf16(code) carries the rounding bitsandbytes itself applies when it dequantizes to bf16 for a matmul.
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void bnb4_row_dpbf16_p64(
+    const uint16_t* xb, const i64 M, const uint8_t* packed, const float* absmax, __m512i tab, i64 n, i64 K, i64 bs,
+    float* out) {
+    const i64 nbr = K / bs;
+    const __m512i lo4 = _mm512_set1_epi16(0x000F);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < nbr; g++) {
+        const uint8_t* p = packed + (n * K + g * bs) / 2;
+        const uint16_t* xg = xb + g * bs;
+        __m512 v[8], u[8];
+        for (i64 m = 0; m < M; m++) v[m] = u[m] = _mm512_setzero_ps();
+        for (i64 j = 0; j < bs / 2; j += 32) {
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + j)));
+            const __m512i even = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tab);  // high nibble: element 2j
+            const __m512i odd = _mm512_permutexvar_epi16(_mm512_and_si512(w, lo4), tab);
+            for (i64 m = 0; m < M; m++) {
+                const uint16_t* xc = xg + m * K + 2 * j;
+                v[m] = _mm512_dpbf16_ps(v[m], (__m512bh)even, (__m512bh)_mm512_loadu_si512(xc));
+                u[m] = _mm512_dpbf16_ps(u[m], (__m512bh)odd, (__m512bh)_mm512_loadu_si512(xc + 32));
+            }
+        }
+        const __m512 av = _mm512_set1_ps(absmax[n * nbr + g]);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(_mm512_add_ps(v[m], u[m]), av, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// y[M, N] = x @ dequant(W)^T, bnb4 weight [N, K], x bf16 permuted per 64-chunk (x_to_bf16), K % bs == 0,
+// bs % 64 == 0. Returns 0 (nothing written) when built without AVX512-BF16.
+int moeq_bnb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* packed, const float* absmax, const float* code,
+                        i64 N, i64 K, i64 bs, float* y) {
+#if defined(__AVX512BF16__)
+    uint16_t t[32] = {0};
+    for (int c = 0; c < 16; c++) t[c] = f2bf(code[c]);
+    const __m512i tab = _mm512_loadu_si512(t);
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        for (i64 m0 = 0; m0 < M; m0 += 8) {
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            float out[8] = {0};
+            switch (mc) {
+#define NB_CASE(c) case c: bnb4_row_dpbf16_p64(xb + m0 * K, c, packed, absmax, tab, n, K, bs, out); break;
+                NB_CASE(1) NB_CASE(2) NB_CASE(3) NB_CASE(4) NB_CASE(5) NB_CASE(6) NB_CASE(7) NB_CASE(8)
+#undef NB_CASE
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
+        }
+    }
+    return 1;
+#else
+    (void)xb; (void)M; (void)packed; (void)absmax; (void)code; (void)N; (void)K; (void)bs; (void)y;
+    return 0;
+#endif
+}
+
 void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
                     const float* code, i64 N, i64 K, i64 bs, float* y) {
     const i64 nbr = K / bs;  // blocks per row
@@ -682,6 +743,16 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
                 }
                 am[s * nb + b] = a;
             }
+        }
+        if (w->dot_bf16 && bs % 64 == 0) {
+            uint16_t* xb = (uint16_t*)scratch;  // overwrites xe/xo (no longer needed): m*K bf16 <= m*K floats
+            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, 1, xb + r * K);
+            if (moeq_bnb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y)) return;
+            for (i64 r = 0; r < m; r++)  // no AVX512-BF16: rebuild xe/xo
+                for (i64 j = 0; j < K / 2; j++) {
+                    xe[r * (K / 2) + j] = x[r * K + 2 * j];
+                    xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+                }
         }
         moeq_bnb4_gemv(xe, xo, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y);
     }

@@ -83,8 +83,13 @@ def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None,
     code = w.code.float().contiguous()
     if not cpu.usable(w.packed, absmax):
         return None
-    xe, xo = _even_odd(x.reshape(m, k).float())
     y = torch.empty(m, n, dtype=torch.float32)
+    if x.dtype == torch.bfloat16 and w.blocksize % 64 == 0 and cpu.has_dpbf16():
+        xb = x.reshape(m, k // 64, 32, 2).transpose(-1, -2).contiguous()  # per 64-chunk: even, then odd elements
+        L.moeq_bnb4_gemv_bf16(cpu.ptr(xb), cpu.i64(m), cpu.ptr(w.packed), cpu.ptr(absmax), cpu.ptr(code),
+                              cpu.i64(n), cpu.i64(k), cpu.i64(w.blocksize), cpu.ptr(y))
+        return _finish(y, x, n, bias)
+    xe, xo = _even_odd(x.reshape(m, k).float())
     L.moeq_bnb4_gemv(cpu.ptr(xe), cpu.ptr(xo), cpu.i64(m), cpu.ptr(w.packed), cpu.ptr(absmax), cpu.ptr(code),
                      cpu.i64(n), cpu.i64(k), cpu.i64(w.blocksize), cpu.ptr(y))
     return _finish(y, x, n, bias)

@@ -44,7 +44,7 @@ def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None
             return None
         keep += tensors
         dq = w.offset is not None
-        return WStack(1, 0, w.packed.data_ptr(), w.absmax.data_ptr(), int(dq), None, 4, w.blocksize, code.data_ptr(),
+        return WStack(1, int(dot_bf16 and w.blocksize % 64 == 0), w.packed.data_ptr(), w.absmax.data_ptr(), int(dq), None, 4, w.blocksize, code.data_ptr(),
                       w.offset.data_ptr() if dq else None, w.nested_absmax.data_ptr() if dq else None,
                       w.nested_code.data_ptr() if dq else None, spe, n, k)
     return None
@@ -69,7 +69,7 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     tok = token_of.to(torch.int64).contiguous()
     wts = weight_of.float().contiguous()
     out = torch.zeros_like(xf)
-    if s13.dot_bf16 and s2.dot_bf16 and cpu.has_dpbf16():  # 4-bit RTN, bf16 x: the layer parallel across experts
+    if s13.fmt == 0 and s2.fmt == 0 and s13.dot_bf16 and s2.dot_bf16 and cpu.has_dpbf16():  # 4-bit RTN, bf16 x: the layer parallel across experts
         active = sum(1 for c in counts if c)
         scratch = torch.empty(active * 8 * (h // 2 + h // 16 + 2 * i + i // 2 + i // 16 + h) + 64)
         L.moeq_moe_forward_rtn4_bf16(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i),
