@@ -133,7 +133,7 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
 
 
 def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.Module:
-    ckpt = Checkpoint(path, device)
+    ckpt = Checkpoint(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -143,11 +143,12 @@ def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.
     if qc and qc.get("quant_method") == QUANT_METHOD:
         if quant is not None:
             raise ValueError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
-        return _load_saved(path, Checkpoint(path), config, qc, dtype, progress)
+        return _load_saved(path, ckpt, config, qc, dtype, progress)
     if qc:
         from moeq.prequant import load_prequantized  # noqa: PLC0415
 
-        return load_prequantized(path, Checkpoint(path), config, qc, quant, dtype, progress)
+        return load_prequantized(path, ckpt, config, qc, quant, dtype, progress)
+    ckpt.device = device  # in flight: each tensor is read onto the device and quantized there
     return _load_streaming(path, ckpt, config, QuantConfig.of(quant or "none"), dtype, progress)
 
 

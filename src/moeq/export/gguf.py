@@ -24,7 +24,7 @@ from torch import nn
 
 from moeq.arch import Arch
 from moeq.export.common import expert_pieces, quantized_modules
-from moeq.formats import PackedWeight, RTNWeight
+from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
 from moeq.io.writer import unique_tensors
 from moeq.nn import QuantExperts, QuantLinear
 
@@ -94,7 +94,7 @@ def ggml_blocks(w: RTNWeight) -> torch.Tensor:
 
 
 def _bits(w: PackedWeight) -> int:
-    return getattr(w, "bits", 4 if type(w).__name__ == "Bnb4Weight" else 8)
+    return 4 if isinstance(w, Bnb4Weight) else getattr(w, "bits", 8)  # LLM.int8: 8
 
 
 def requantize(values: torch.Tensor, qtype: str) -> np.ndarray:

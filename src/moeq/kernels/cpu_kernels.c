@@ -367,12 +367,33 @@ static inline __attribute__((always_inline)) void rtn4_row_dpbf16_p64(
     }
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
+
+// One output row n for M (1..8) rows of x in either layout; M becomes a compile-time constant per case.
+static inline void rtn4_row_bf16(int perm64, const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q,
+                                 const void* scale, int scale_bf16, const uint8_t* zero, i64 n, i64 K, i64 gs,
+                                 float* out, float* zt) {
+#define DP_CASE(c) case c: \
+    if (perm64) rtn4_row_dpbf16_p64(xb, xsum, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); \
+    else rtn4_row_dpbf16(xb, xsum, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); \
+    break;
+    switch (M) { DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8) }
+#undef DP_CASE
+}
 #endif
 
-// bf16 activations as the 4-bit kernels read them: per 64-chunk (even, odd) elements when perm64, else in order.
-static inline void x_to_bf16(const float* x, i64 K, int perm64, uint16_t* dst) {
-    for (i64 k = 0; k < K; k++)
-        dst[perm64 ? (k & ~(i64)63) + (k & 1) * 32 + ((k & 63) >> 1) : k] = f2bf(x[k]);
+// bf16 activations as the 4-bit kernels read them (per 64-chunk (even, odd) elements when perm64, else in order)
+// and their per-group sums, taken from the rounded values. Groups are multiples of 64 when perm64, so a group's
+// elements stay within it.
+static inline void x_to_bf16(const float* x, i64 K, i64 gs, int perm64, uint16_t* dst, float* sums) {
+    for (i64 g = 0; g < K / gs; g++) {
+        float sum = 0.f;
+        for (i64 k = g * gs; k < (g + 1) * gs; k++) {
+            const uint16_t h = f2bf(x[k]);
+            dst[perm64 ? (k & ~(i64)63) + (k & 1) * 32 + ((k & 63) >> 1) : k] = h;
+            sum += bf2f(h);
+        }
+        sums[g] = sum;
+    }
 }
 
 // y[M, N] = x[M, K] @ dequant(W)^T for 4-bit RTN, x bf16 (raw uint16 bits) with per-group sums xsum [M, G] (fp32,
@@ -386,19 +407,7 @@ void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uin
             const i64 mc = M - m0 < 8 ? M - m0 : 8;
             float zt[8] = {0}, out[8] = {0};
 #if defined(__AVX512BF16__)
-            if (perm64) {
-                switch (mc) {
-#define DP_CASE(c) case c: rtn4_row_dpbf16_p64(xb + m0 * K, xsum + m0 * G, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); break;
-                    DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
-#undef DP_CASE
-                }
-            } else {
-                switch (mc) {
-#define DP_CASE(c) case c: rtn4_row_dpbf16(xb + m0 * K, xsum + m0 * G, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); break;
-                    DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8)
-#undef DP_CASE
-                }
-            }
+            rtn4_row_bf16(perm64, xb + m0 * K, xsum + m0 * G, mc, q, scale, scale_bf16, zero, n, K, gs, out, zt);
 #else
             for (i64 g = 0; g < G; g++) {
                 const float s = load_scale(scale, scale_bf16, n * G + g);
@@ -689,14 +698,7 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
         uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
         float* xs = scratch + m * K;
         const int p64 = w->gs % 64 == 0;
-        for (i64 r = 0; r < m; r++) {
-            x_to_bf16(x + r * K, K, p64, xb + r * K);
-            for (i64 g = 0; g < G; g++) {
-                float s = 0.f;
-                for (i64 k = g * w->gs; k < (g + 1) * w->gs; k++) s += bf2f(f2bf(x[r * K + k]));
-                xs[r * G + g] = s;
-            }
-        }
+        for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, p64, xb + r * K, xs + r * G);
         const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
         moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
                             w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
@@ -745,8 +747,9 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
             }
         }
         if (w->dot_bf16 && bs % 64 == 0) {
-            uint16_t* xb = (uint16_t*)scratch;  // overwrites xe/xo (no longer needed): m*K bf16 <= m*K floats
-            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, 1, xb + r * K);
+            uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 fill exactly the xe region
+            float* sums = xo;  // per-group sums are unused by bnb4; xo is rebuilt below if needed
+            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, 64, 1, xb + r * K, sums);
             if (moeq_bnb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y)) return;
             for (i64 r = 0; r < m; r++)  // no AVX512-BF16: rebuild xe/xo
                 for (i64 j = 0; j < K / 2; j++) {
@@ -809,15 +812,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     float* y = as + A * 8 * G2;                         // [A, 8, H]
     for (i64 a = 0; a < A; a++) {
         const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
-        for (i64 r = 0; r < m; r++) {
-            const float* xr = x + pair_tok[p0 + r] * H;
-            x_to_bf16(xr, H, p13, xb + (a * 8 + r) * H);
-            for (i64 g = 0; g < G1; g++) {
-                float sum = 0.f;
-                for (i64 k = g * w13->gs; k < (g + 1) * w13->gs; k++) sum += bf2f(f2bf(xr[k]));
-                xs[(a * 8 + r) * G1 + g] = sum;
-            }
-        }
+        for (i64 r = 0; r < m; r++)
+            x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * G1);
     }
     const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
@@ -830,19 +826,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const uint16_t* xa = xb + a * 8 * H;
         const float* xsa = xs + a * 8 * G1;
 #if defined(__AVX512BF16__)
-        if (p13) {
-            switch (m) {
-#define C13(c) case c: rtn4_row_dpbf16_p64(xa, xsa, c, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt); break;
-                C13(1) C13(2) C13(3) C13(4) C13(5) C13(6) C13(7) C13(8)
-#undef C13
-            }
-        } else {
-            switch (m) {
-#define C13(c) case c: rtn4_row_dpbf16(xa, xsa, c, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt); break;
-                C13(1) C13(2) C13(3) C13(4) C13(5) C13(6) C13(7) C13(8)
-#undef C13
-            }
-        }
+        rtn4_row_bf16(p13, xa, xsa, m, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt);
 #endif
         for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
     }
@@ -853,12 +837,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             uint16_t* dst = ab + (a * 8 + r) * I;
             float* t = y;  // y is free until the w2 pass: the fp32 activation row
             for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
-            x_to_bf16(t, I, p2, dst);
-            for (i64 g = 0; g < G2; g++) {
-                float sum = 0.f;
-                for (i64 i = g * w2->gs; i < (g + 1) * w2->gs; i++) sum += bf2f(f2bf(t[i]));
-                as[(a * 8 + r) * G2 + g] = sum;
-            }
+            x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * G2);
         }
     }
 #pragma omp parallel for schedule(static)
@@ -869,19 +848,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
         const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
 #if defined(__AVX512BF16__)
-        if (p2) {
-            switch (m) {
-#define C2(c) case c: rtn4_row_dpbf16_p64(ab + a * 8 * I, as + a * 8 * G2, c, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt); break;
-                C2(1) C2(2) C2(3) C2(4) C2(5) C2(6) C2(7) C2(8)
-#undef C2
-            }
-        } else {
-            switch (m) {
-#define C2(c) case c: rtn4_row_dpbf16(ab + a * 8 * I, as + a * 8 * G2, c, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt); break;
-                C2(1) C2(2) C2(3) C2(4) C2(5) C2(6) C2(7) C2(8)
-#undef C2
-            }
-        }
+        rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * G2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
 #endif
         for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
     }

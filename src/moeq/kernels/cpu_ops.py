@@ -36,6 +36,12 @@ def _finish(y: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None)
     return y.reshape(*x.shape[:-1], n)
 
 
+def _perm64(x2d: torch.Tensor) -> torch.Tensor:
+    """bf16 rows as the AVX512-BF16 4-bit kernels read them: each 64-chunk as (even elements, odd elements)."""
+    m, k = x2d.shape
+    return x2d.view(m, k // 64, 32, 2).transpose(-1, -2).contiguous()
+
+
 def _even_odd(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf[:, 0::2].contiguous(), xf[:, 1::2].contiguous()
 
@@ -54,8 +60,8 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     if w.bits == 4 and x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():
         xb = x.reshape(m, k)
         xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
-        p64 = gs % 64 == 0  # the kernel reads each 64-chunk of x as (even elements, odd elements)
-        xb = xb.view(m, k // 64, 32, 2).transpose(-1, -2).contiguous() if p64 else xb.contiguous()
+        p64 = gs % 64 == 0
+        xb = _perm64(xb) if p64 else xb.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         L.moeq_rtn4_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
                               int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n), cpu.i64(k),
@@ -85,7 +91,7 @@ def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None,
         return None
     y = torch.empty(m, n, dtype=torch.float32)
     if x.dtype == torch.bfloat16 and w.blocksize % 64 == 0 and cpu.has_dpbf16():
-        xb = x.reshape(m, k // 64, 32, 2).transpose(-1, -2).contiguous()  # per 64-chunk: even, then odd elements
+        xb = _perm64(x.reshape(m, k))
         L.moeq_bnb4_gemv_bf16(cpu.ptr(xb), cpu.i64(m), cpu.ptr(w.packed), cpu.ptr(absmax), cpu.ptr(code),
                               cpu.i64(n), cpu.i64(k), cpu.i64(w.blocksize), cpu.ptr(y))
         return _finish(y, x, n, bias)

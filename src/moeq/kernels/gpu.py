@@ -11,14 +11,15 @@ from moeq.formats import PackedWeight
 
 def check_device(device: str | torch.device | None) -> torch.device:
     """``device`` as a torch.device, or a clear error when this machine/install cannot run on it."""
+    unsupported = f"device {str(device)!r} is not supported; use 'cpu' or 'cuda' (a CUDA or ROCm GPU)"
     try:
         dev = torch.device(device if device is not None else "cpu")
     except RuntimeError:
-        raise ValueError(f"device {str(device)!r} is not supported; use 'cpu' or 'cuda' (a CUDA or ROCm GPU)") from None
+        raise ValueError(unsupported) from None
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
-        raise ValueError(f"device {str(dev)!r} is not supported; use 'cpu' or 'cuda' (a CUDA or ROCm GPU)")
+        raise ValueError(unsupported)
     if not torch.cuda.is_available():
         raise ValueError(f"device {str(dev)!r}: no GPU is usable here (torch {torch.__version__} was built "
                          f"{'without CUDA' if torch.version.cuda is None and torch.version.hip is None else 'with CUDA'}"

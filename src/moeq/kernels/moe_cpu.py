@@ -13,8 +13,8 @@ MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measure
 
 
 class WStack(ctypes.Structure):
-    _fields_ = [("fmt", ctypes.c_int), ("dot_bf16", ctypes.c_int), ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("scale_bf16", ctypes.c_int), ("zero", ctypes.c_void_p), ("bits", ctypes.c_int),
+    _fields_ = [("fmt", ctypes.c_int), ("dot_bf16", ctypes.c_int), ("q", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("scale_bf16", ctypes.c_int), ("zero", ctypes.c_void_p), ("bits", ctypes.c_int),
                 ("gs", ctypes.c_int64), ("code", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p), ("spe", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
@@ -22,7 +22,7 @@ class WStack(ctypes.Structure):
 
 def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
     """Describe an expert stack ``[E, N, K]`` for the kernel (``keep`` holds the tensors alive). ``dot_bf16``: the
-    model computes in bf16, so 4-bit RTN may take its activations as bf16 (AVX512-BF16 dot products)."""
+    model computes in bf16, so 4-bit RTN and NF4/FP4 may take activations as bf16 (AVX512-BF16 dot products)."""
     e, n, k = w.shape
     if isinstance(w, RTNWeight):
         gs = k if w.group_size == -1 else w.group_size
@@ -44,7 +44,8 @@ def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None
             return None
         keep += tensors
         dq = w.offset is not None
-        return WStack(1, int(dot_bf16 and w.blocksize % 64 == 0), w.packed.data_ptr(), w.absmax.data_ptr(), int(dq), None, 4, w.blocksize, code.data_ptr(),
+        return WStack(1, int(dot_bf16 and w.blocksize % 64 == 0), w.packed.data_ptr(), w.absmax.data_ptr(), int(dq),
+                      None, 4, w.blocksize, code.data_ptr(),
                       w.offset.data_ptr() if dq else None, w.nested_absmax.data_ptr() if dq else None,
                       w.nested_code.data_ptr() if dq else None, spe, n, k)
     return None
@@ -69,7 +70,7 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     tok = token_of.to(torch.int64).contiguous()
     wts = weight_of.float().contiguous()
     out = torch.zeros_like(xf)
-    if s13.fmt == 0 and s2.fmt == 0 and s13.dot_bf16 and s2.dot_bf16 and cpu.has_dpbf16():  # 4-bit RTN, bf16 x: the layer parallel across experts
+    if s13.fmt == s2.fmt == 0 and s13.dot_bf16 and s2.dot_bf16:  # 4-bit RTN, bf16 x: parallel across experts
         active = sum(1 for c in counts if c)
         scratch = torch.empty(active * 8 * (h // 2 + h // 16 + 2 * i + i // 2 + i // 16 + h) + 64)
         L.moeq_moe_forward_rtn4_bf16(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i),
