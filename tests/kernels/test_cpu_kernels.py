@@ -101,3 +101,41 @@ def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
             exact[r] += wts[r, j].float() * (d2[idx[r, j]] @ (torch.nn.functional.silu(hh[:i]) * hh[i:]))
     assert (fused - exact).abs().max() < 0.02 * exact.abs().max()
     assert (fused - exact).abs().max() <= 1.5 * (loop - exact).abs().max() + 1e-6  # no worse than transformers' way
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
+def test_dequantize_into_buffer_matches_fresh(cfg):
+    torch.manual_seed(0)
+    q = cfg.quantize(torch.randn(3, 64, 256) * 0.05)
+    for dtype in (torch.bfloat16, torch.float32):
+        buf = torch.full(q.shape, float("nan"), dtype=dtype)
+        assert q.dequantize(dtype, out=buf) is buf
+        assert torch.equal(buf, q.dequantize(dtype))
+    with pytest.raises(ValueError, match="shape"):
+        q.dequantize(torch.bfloat16, out=torch.empty(3, 64, 255, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32"):
+        q.dequantize(torch.float32, out=torch.empty(q.shape, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128, symmetric=False), Int8(), BNB4("nf4", 64, True)],
+                         ids=lambda c: c.label())
+def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
+    """Weights above DEQUANT_CHUNK elements run chunk by chunk through one buffer: same result as whole, and no
+    weight-sized dequantized temporary (bnb4 blocks may span rows: it stays whole)."""
+    import moeq.kernels as kernels
+
+    torch.manual_seed(1)
+    q = cfg.quantize(torch.randn(200, 256) * 0.05)  # 200 rows: 7 chunks of 32 rows, the last one partial
+    x, bias = torch.randn(2, 9, 256, dtype=torch.bfloat16), torch.randn(200, dtype=torch.bfloat16)
+    whole = kernels.reference(q, x, bias)
+    monkeypatch.setattr(kernels, "DEQUANT_CHUNK", 32 * 256)
+    shapes = []
+    real = type(q).dequantize
+    monkeypatch.setattr(type(q), "dequantize", lambda self, *a, **k: shapes.append(self.shape) or real(self, *a, **k))
+    y = kernels.reference(q, x, bias)
+    assert y.shape == (2, 9, 200)
+    assert torch.equal(y, whole)
+    if q.row_sliceable:
+        assert shapes == [(32, 256)] * 6 + [(8, 256)]
+    else:
+        assert shapes == [(200, 256)]

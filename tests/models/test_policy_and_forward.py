@@ -51,11 +51,13 @@ def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(experts_mod, "moe_forward", lambda *a: fused_counts.append(a[-1]) or None)  # force per-expert
     used, shapes = [], []
     real_linear = experts_mod.expert_linear
-    monkeypatch.setattr(experts_mod, "expert_linear", lambda w, e, x, b=None: used.append(e) or real_linear(w, e, x, b))
+    monkeypatch.setattr(experts_mod, "expert_linear",
+                        lambda w, e, x, b=None, buf=None: used.append(e) or real_linear(w, e, x, b, buf))
     from moeq.formats import Bnb4Weight
 
     orig = Bnb4Weight.dequantize
-    monkeypatch.setattr(Bnb4Weight, "dequantize", lambda self, dtype=None: shapes.append(self.shape) or orig(self, dtype))
+    monkeypatch.setattr(Bnb4Weight, "dequantize",
+                        lambda self, dtype=None, out=None: shapes.append(self.shape) or orig(self, dtype, out))
     routed = []
     block = m.model.layers[0].mlp
     h = block.gate.register_forward_hook(lambda mod, inp, out: routed.append(out[2].flatten().tolist()))

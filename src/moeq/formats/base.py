@@ -43,6 +43,13 @@ def check_float(w: torch.Tensor, name: str | None) -> None:
         raise ValueError(f"tensor {name or '<unnamed>'}: empty or 0-d weight of shape {tuple(w.shape)}")
 
 
+def check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A caller-owned dequantization buffer must be contiguous and exactly of the weight's shape and dtype."""
+    if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"dequantize out= buffer must be a contiguous {dtype} tensor of shape {tuple(shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+
+
 def row_chunks(rows: int, row_len: int, target: int = 1 << 18):
     """Ranges of rows holding about ``target`` elements: work on cache-sized pieces, bounded temporaries."""
     step = max(1, target // max(row_len, 1))
@@ -114,6 +121,8 @@ class PackedWeight:
                 continue
             tensors[n] = torch.stack([torch.cat([getattr(p, n) for p in g], 0) for g in groups])
         return dataclasses.replace(groups[0][0], **tensors, shape=shape)
+
+    row_sliceable = True  # any row range of a 2-D weight is a valid weight (see Bnb4Weight)
 
     def row_slice(self, start: int, stop: int) -> Self:
         """Rows ``start:stop`` of a 2-D weight (e.g. the gate half of one expert's ``w13``), sharing storage."""

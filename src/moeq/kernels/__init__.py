@@ -23,22 +23,51 @@ def register(fmt: str):
     return deco
 
 
-def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ dequant(w)[N, K].T + bias`` in x's dtype."""
-    return F.linear(x, w.dequantize(x.dtype), bias)
+# Large 2-D weights (lm_head, big projections) are dequantized this many elements at a time into one reused buffer
+# (4 MiB in bf16: stays in cache) instead of into a weight-sized temporary (measured on the 151936x2048 int8 lm_head
+# at 512 rows: 0.92-1.07 s dequantize-whole + matmul vs 0.75 s for the bf16 matmul alone).
+DEQUANT_CHUNK = 1 << 21
 
 
-def linear(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
+              buf: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(w)[N, K].T + bias`` in x's dtype. ``buf``: an optional flat scratch tensor of x's
+    dtype with at least ``w.numel`` elements to dequantize into (callers looping over experts reuse one)."""
+    if len(w.shape) == 2 and w.numel > DEQUANT_CHUNK and w.row_sliceable:
+        return _reference_chunked(w, x, bias)
+    out = None if buf is None or buf.dtype != x.dtype else buf[: w.numel].view(w.shape)
+    return F.linear(x, w.dequantize(x.dtype, out=out), bias)
+
+
+def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = w.shape
+    rows = max(1, DEQUANT_CHUNK // k)
+    buf = torch.empty(rows, k, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(-1, k)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    tmp = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        wa = w.row_slice(a, b).dequantize(x.dtype, out=buf[: b - a])
+        t = tmp[:, : b - a] if b - a == rows else None  # out= needs a contiguous tensor
+        y[:, a:b] = (torch.mm(x2, wa.t(), out=t) if bias is None else
+                     torch.addmm(bias[a:b], x2, wa.t(), out=t))
+    return y.reshape(*x.shape[:-1], n)
+
+
+def linear(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
+           buf: torch.Tensor | None = None) -> torch.Tensor:
     for k in _KERNELS.get(w.format, ()):
         y = k(w, x, bias)
         if y is not None:
             return y
-    return reference(w, x, bias)
+    return reference(w, x, bias, buf)
 
 
-def expert_linear(w: PackedWeight, e: int, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def expert_linear(w: PackedWeight, e: int, x: torch.Tensor, bias: torch.Tensor | None = None,
+                  buf: torch.Tensor | None = None) -> torch.Tensor:
     """Expert ``e`` of a stacked weight ``[E, N, K]`` applied to ``x [n, K]``; touches only that expert."""
-    return linear(w[e], x, bias)
+    return linear(w[e], x, bias, buf)
 
 
 def _register_builtin() -> None:

@@ -102,22 +102,29 @@ class QuantExperts(nn.Module):
         return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
 
     def _forward_loop(self, hidden_states, token_of, weight_of, counts, w13, w2, out):
+        """Experts one by one (the many-rows path): each expert's weight is dequantized into one reused buffer for its
+        matmul, while the gather, activation and scatter run once over all pairs rather than once per expert."""
+        i = self.intermediate_dim
+        xs = hidden_states[token_of]  # [P, H], pairs grouped by expert
+        if self.weight_on_input:
+            xs = xs * weight_of[:, None].to(xs.dtype)
+        buf = torch.empty(max(w13.numel, w2.numel) // self.num_experts, dtype=xs.dtype, device=xs.device)
+        h13 = self._per_expert(w13, self.b13, xs, counts, buf)  # [P, 2I]
+        ys = self._per_expert(w2, self.b2, self.activation(h13[:, :i], h13[:, i:]), counts, buf)  # [P, H]
+        if not self.weight_on_input:
+            ys = ys * weight_of[:, None]
+        return out.index_add_(0, token_of, ys.to(out.dtype))
+
+    @staticmethod
+    def _per_expert(w: PackedWeight, bias: torch.Tensor | None, xs: torch.Tensor, counts: list[int],
+                    buf: torch.Tensor) -> torch.Tensor:
+        ys = torch.empty(xs.shape[0], w.shape[1], dtype=xs.dtype, device=xs.device)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start:start + n]
-            x = hidden_states[rows]  # [n, H]
-            if self.weight_on_input:
-                x = x * weight_of[start:start + n, None].to(x.dtype)
-            h = expert_linear(w13, e, x, None if self.b13 is None else self.b13[e])  # [n, 2I]
-            h = self.activation(h[:, : self.intermediate_dim], h[:, self.intermediate_dim:])
-            y = expert_linear(w2, e, h, None if self.b2 is None else self.b2[e])  # [n, H]
-            if not self.weight_on_input:
-                y = y * weight_of[start:start + n, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            if n:
+                ys[start:start + n] = expert_linear(w, e, xs[start:start + n], None if bias is None else bias[e], buf)
             start += n
-        return out
+        return ys
 
 
 class Llama4MoeAdapter(nn.Module):
