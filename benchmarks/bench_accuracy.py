@@ -7,6 +7,11 @@ Experts and attention are quantized (default policy: router, embeddings, lm_head
 nearest size dividing every dim; bnb blocks of 128 run over the flattened tensor as bitsandbytes does.
 
     python benchmarks/bench_accuracy.py [--model DIR] [--max-tokens 6144] [--ctx 512] [--only NAME...] [--merge]
+                                        [--dtype float32] [--out FILE]
+
+``--dtype float32`` runs the reference and every model in fp32 and adds a row for the unquantized model in bf16:
+the KL that bf16 arithmetic alone costs against the fp32 reference (the floor under any bf16 number). ``--model``
+may also be the fixture's dense sibling (``smollm2-dense``): the same trained weights without routing.
 
 The hqq-library rows need the hqq package (``DISABLE_CUDA=1 pip install hqq``); without it they are skipped.
 """
@@ -17,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 import moeq
@@ -54,16 +60,16 @@ def methods() -> dict[str, QuantConfig]:
     return {k: QuantConfig.of(v) for k, v in m.items()}
 
 
+FLOOR = "floor: unquantized model computed in bf16"
 HQQ_LIB = {"hqq library 4-bit g64 (fp16 scale+zero)": (4, 64), "hqq library 3-bit g64 (fp16 scale+zero)": (3, 64)}
 
 
-def hqq_library_model(path: str, nbits: int, group_size: int):
+def hqq_library_model(path: str, nbits: int, group_size: int, dtype: torch.dtype = torch.bfloat16):
     """The same weights quantized by the hqq library itself (HQQ's optimizer, its defaults: axis 1, L_p 0.7,
     rounded zero at 4 bits; fp16 scale and zero per group), dequantized back into the bf16 model."""
-    import torch
     from hqq.core.quantize import Quantizer
 
-    m = moeq.load(path, progress=False)
+    m = moeq.load(path, dtype=dtype, progress=False)
 
     def qdq(w):
         wq, meta = Quantizer.quantize(w.float(), nbits=nbits, channel_wise=True, group_size=group_size,
@@ -101,16 +107,24 @@ def main():
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "accuracy.json"))
     ap.add_argument("--merge", action="store_true", help="update/append these rows in --out instead of rewriting")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="compute dtype of the reference and of every model")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
     ids = tokenize(tok, heldout_text(sorted(DATA.glob("text_*.txt"))))
-    ref = moeq.load(args.model, progress=False)
+    ref = moeq.load(args.model, dtype=dtype, progress=False)
     models, rows = {}, {}
+    if dtype == torch.float32:
+        name = FLOOR
+        models[name] = moeq.load(args.model, dtype=torch.bfloat16, progress=False)
+        rows[name] = {"method": name, "quantize_seconds": 0.0, "bits_per_weight": 16.0, "quantized_params": 0,
+                      "quantize_gbps": 0.0}
     for name, cfg in methods().items():
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        m = moeq.load(args.model, quant=cfg, progress=False)
+        m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False)
         secs = time.perf_counter() - t0
         info = moeq.inspect(m)
         models[name] = m
@@ -122,7 +136,7 @@ def main():
             continue
         try:
             t0 = time.perf_counter()
-            m, n, bpw = hqq_library_model(args.model, nbits, gs)
+            m, n, bpw = hqq_library_model(args.model, nbits, gs, dtype)
         except ImportError:
             print(f"skipping {name}: the hqq library is not installed")
             continue
@@ -141,11 +155,11 @@ def main():
     for r in rows.values():
         if base:
             r["kl_vs_vllm_g192"] = r["mean_kl"] / base["mean_kl"]
-    out = {"model": args.model, "ctx": args.ctx, "tokens": next(iter(res.values())).tokens,
+    out = {"model": args.model, "dtype": args.dtype, "ctx": args.ctx, "tokens": next(iter(res.values())).tokens,
            "ref_ppl": next(iter(res.values())).ref_ppl, "rows": list(rows.values())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"reference (bf16) PPL {out['ref_ppl']:.3f} on {out['tokens']} held-out tokens, ctx {args.ctx}\n")
+    print(f"reference ({args.dtype}) PPL {out['ref_ppl']:.3f} on {out['tokens']} held-out tokens, ctx {args.ctx}\n")
     print("| method | bits/weight | PPL | mean KL | p99 KL | top-1 | KL × vLLM g192 | quantize s (GB/s) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows.values():

@@ -74,6 +74,8 @@ _TABLE: tuple[Arch, ...] = (
          notes="fused 3-D experts; routed-only forward (transformers runs all experts); shared expert quantized"),
     Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss", per_expert_on_disk=False,
          notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept"),
+    Arch(("llama", "qwen2", "qwen3", "mistral"), notes="dense models (no experts): linears only; e.g. a MoE's dense "
+                                                       "sibling to compare methods without routing"),
 )
 ARCHS: dict[str, Arch] = {mt: a for a in _TABLE for mt in a.model_types}
 

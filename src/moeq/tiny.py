@@ -32,6 +32,7 @@ TINY: dict[str, dict] = {
     "gpt_oss": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                     sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
 }
+DENSE: dict[str, dict] = {"llama": dict(intermediate_size=256)}  # dense families: linears only
 
 _TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
          "want of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -40,9 +41,10 @@ _TEXT = ("It is a truth universally acknowledged, that a single man in possessio
 
 
 def tiny_config(model_type: str, **overrides):
-    if model_type not in TINY:
-        raise ValueError(f"no tiny config for {model_type!r}; available: {sorted(TINY)}")
-    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **TINY[model_type], **overrides})
+    table = {**TINY, **DENSE}
+    if model_type not in table:
+        raise ValueError(f"no tiny config for {model_type!r}; available: {sorted(table)}")
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **table[model_type], **overrides})
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, attr, None) is not None and not isinstance(getattr(cfg, attr), list):
             setattr(cfg, attr, min(getattr(cfg, attr), VOCAB - 1))

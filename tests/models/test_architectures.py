@@ -5,16 +5,17 @@ import torch
 
 import moeq
 from moeq.nn import QuantExperts, QuantLinear
-from moeq.tiny import TINY
+from moeq.tiny import DENSE, TINY
 from tests.conftest import dequantized_reference
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY))
+@pytest.mark.parametrize("model_type", sorted(TINY) + sorted(DENSE))
 def test_arch_end_to_end(model_type, tiny_ckpt, tmp_path):
     src = tiny_ckpt(model_type)
     m = moeq.load(src, quant="rtn-int4", dtype=torch.float32, progress=False)
     n_experts = sum(isinstance(x, QuantExperts) for x in m.modules())
-    assert n_experts >= 1 and sum(isinstance(x, QuantLinear) for x in m.modules()) >= 4
+    assert (n_experts == 0) == (model_type in DENSE)
+    assert sum(isinstance(x, QuantLinear) for x in m.modules()) >= 4
     ref = dequantized_reference(m, src, torch.float32)
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
