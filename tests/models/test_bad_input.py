@@ -91,13 +91,12 @@ def test_unexpected_and_missing_keys(tiny_ckpt, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    with pytest.raises(ValueError, match=r"unsupported architecture 'llama'; moeq supports: .*mixtral.*qwen3_moe"):
-        moeq.load(tmp_path / "llama", quant="rtn-int4", progress=False)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; moeq supports: .*mixtral.*qwen3_moe"):
+        moeq.load(tmp_path / "gpt2", quant="rtn-int4", progress=False)
 
 
 def test_nan_weight_named(tiny_ckpt, tmp_path):
