@@ -20,6 +20,10 @@ from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
 from moeq.kernels.moe_cpu import moe_forward
 from moeq.nn.packed import get_packed, set_packed
 
+# Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
+# (~100 MB per 1000 tokens at Qwen3-30B-A3B's shapes); each further pass re-dequantizes the active experts once.
+MAX_TOKENS_PER_PASS = 4096
+
 
 @dataclasses.dataclass(frozen=True)
 class Activation:
@@ -71,6 +75,10 @@ class QuantExperts(nn.Module):
             if y is not None:
                 return y
         t, a = top_k_index.shape
+        if t > MAX_TOKENS_PER_PASS:  # long prompts: bounded [pairs, 2I] intermediates; tokens are independent
+            n = MAX_TOKENS_PER_PASS
+            return torch.cat([self(hidden_states[i:i + n], top_k_index[i:i + n], top_k_weights[i:i + n])
+                              for i in range(0, t, n)])
         out = torch.zeros_like(hidden_states)  # [T, H]
         flat = top_k_index.reshape(-1)  # [T*A]
         order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
