@@ -124,14 +124,15 @@ def test_dequantize_into_buffer_matches_fresh(cfg):
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128, symmetric=False), Int8(), BNB4("nf4", 64, True)],
                          ids=lambda c: c.label())
 def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
-    """Weights above DEQUANT_CHUNK elements run chunk by chunk through one buffer: same result as whole, and no
-    weight-sized dequantized temporary (bnb4 blocks may span rows: it stays whole)."""
+    """Weights above CHUNKED_ABOVE elements run DEQUANT_CHUNK elements at a time through one buffer: same result as
+    whole, and no weight-sized dequantized temporary (bnb4 blocks may span rows: it stays whole)."""
     import moeq.kernels as kernels
 
     torch.manual_seed(1)
     q = cfg.quantize(torch.randn(200, 256) * 0.05)  # 200 rows: 7 chunks of 32 rows, the last one partial
     x, bias = torch.randn(2, 9, 256, dtype=torch.bfloat16), torch.randn(200, dtype=torch.bfloat16)
     whole = kernels.reference(q, x, bias)
+    monkeypatch.setattr(kernels, "CHUNKED_ABOVE", 32 * 256)
     monkeypatch.setattr(kernels, "DEQUANT_CHUNK", 32 * 256)
     shapes = []
     real = type(q).dequantize
@@ -143,3 +144,8 @@ def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
         assert shapes == [(32, 256)] * 6 + [(8, 256)]
     else:
         assert shapes == [(200, 256)]
+    # a caller's buffer (the experts' per-layer one) takes the weight whole: no chunking, nothing allocated
+    shapes.clear()
+    buf = torch.empty(q.numel + 7, dtype=torch.bfloat16)
+    assert torch.equal(kernels.reference(q, x, bias, buf), whole)
+    assert shapes == [(200, 256)]

@@ -23,9 +23,11 @@ def register(fmt: str):
     return deco
 
 
-# Large 2-D weights (lm_head, big projections) are dequantized this many elements at a time into one reused buffer
-# (4 MiB in bf16: stays in cache) instead of into a weight-sized temporary (measured on the 151936x2048 int8 lm_head
-# at 512 rows: 0.92-1.07 s dequantize-whole + matmul vs 0.75 s for the bf16 matmul alone).
+# Weights above CHUNKED_ABOVE elements (lm_head-sized) are dequantized DEQUANT_CHUNK elements at a time into one
+# reused buffer (4 MiB in bf16: stays in cache) instead of into a weight-sized temporary (measured on the
+# 151936x2048 int8 lm_head at 512 rows: 0.92-1.07 s dequantize-whole + matmul vs 0.75 s for the bf16 matmul alone).
+# Smaller weights (experts, attention) run whole: their matmuls measured slower when split.
+CHUNKED_ABOVE = 1 << 24
 DEQUANT_CHUNK = 1 << 21
 
 
@@ -33,10 +35,11 @@ def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
               buf: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ dequant(w)[N, K].T + bias`` in x's dtype. ``buf``: an optional flat scratch tensor of x's
     dtype with at least ``w.numel`` elements to dequantize into (callers looping over experts reuse one)."""
-    if len(w.shape) == 2 and w.numel > DEQUANT_CHUNK and w.row_sliceable:
+    if buf is not None and buf.dtype == x.dtype and buf.numel() >= w.numel:
+        return F.linear(x, w.dequantize(x.dtype, out=buf[: w.numel].view(w.shape)), bias)
+    if len(w.shape) == 2 and w.numel > CHUNKED_ABOVE and w.row_sliceable:
         return _reference_chunked(w, x, bias)
-    out = None if buf is None or buf.dtype != x.dtype else buf[: w.numel].view(w.shape)
-    return F.linear(x, w.dequantize(x.dtype, out=out), bias)
+    return F.linear(x, w.dequantize(x.dtype), bias)
 
 
 def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
