@@ -46,7 +46,8 @@ def methods() -> dict[str, QuantConfig]:
         "NF4 b32 dq": NF4(32, True), "NF4 b32 dq +absmax search": BNB4("nf4", 32, True, search=20),
         "FP4 b64 dq": FP4(64, True), "FP4 b128 dq": FP4(128, True),
         "RTN-int8 g64": RTN(8, 64), "RTN-int8 g192": RTN(8, 192), "LLM.int8": Int8(),
-        "RTN-int3 asym g64": RTN(3, 64, False), "RTN-int3 asym g64 +clip+refine": RTN(3, 64, False, search=20, refine=2),
+        "RTN-int3 asym g64": RTN(3, 64, False),
+        "RTN-int3 asym g64 +clip+refine": RTN(3, 64, False, search=20, refine=2),
         "RTN-int4 asym g64 +hqq": RTN(4, 64, False, hqq=20),
         "RTN-int4 asym g192 +hqq": RTN(4, 192, False, hqq=20),
         "RTN-int3 asym g64 +hqq": RTN(3, 64, False, hqq=20),
@@ -91,6 +92,12 @@ def hqq_library_model(path: str, nbits: int, group_size: int, dtype: torch.dtype
     return m, n, nbits + 32 / group_size
 
 
+def _row(method: str, secs: float, bpw: float, params: int) -> dict:
+    """A table row before evaluation: how long quantizing took (bf16 bytes quantized per second) and its size."""
+    return {"method": method, "quantize_seconds": secs, "bits_per_weight": bpw, "quantized_params": params,
+            "quantize_gbps": params * 2 / secs / 1e9 if secs else 0.0}
+
+
 def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
     out = []
     for f in files:
@@ -118,8 +125,7 @@ def main():
     if dtype == torch.float32:
         name = FLOOR
         models[name] = moeq.load(args.model, dtype=torch.bfloat16, progress=False)
-        rows[name] = {"method": name, "quantize_seconds": 0.0, "bits_per_weight": 16.0, "quantized_params": 0,
-                      "quantize_gbps": 0.0}
+        rows[name] = _row(name, 0.0, 16.0, 0)
     for name, cfg in methods().items():
         if args.only and name not in args.only:
             continue
@@ -128,9 +134,7 @@ def main():
         secs = time.perf_counter() - t0
         info = moeq.inspect(m)
         models[name] = m
-        rows[name] = {"method": name, "quantize_seconds": secs, "bits_per_weight": info["quantized_bits_per_weight"],
-                      "quantized_params": info["quantized_params"],
-                      "quantize_gbps": info["quantized_params"] * 2 / secs / 1e9}
+        rows[name] = _row(name, secs, info["quantized_bits_per_weight"], info["quantized_params"])
     for name, (nbits, gs) in HQQ_LIB.items():
         if args.only and name not in args.only:
             continue
@@ -142,8 +146,7 @@ def main():
             continue
         secs = time.perf_counter() - t0
         models[name] = m
-        rows[name] = {"method": name, "quantize_seconds": secs, "bits_per_weight": bpw, "quantized_params": n,
-                      "quantize_gbps": n * 2 / secs / 1e9}
+        rows[name] = _row(name, secs, bpw, n)
     res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens)
     for k, r in res.items():
         rows[k].update(r.to_dict())

@@ -124,6 +124,25 @@ class PackedWeight:
 
     row_sliceable = True  # any row range of a 2-D weight is a valid weight (see Bnb4Weight)
 
+    def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight's values in ``dtype`` (default: the original dtype); ``out``: a caller-owned buffer of the
+        weight's shape and that dtype to write them into. Native CPU kernel when it applies, else plain torch."""
+        dtype = dtype or self.dtype
+        check_out(out, self.shape, dtype)
+        y = self._dequantize_native(dtype, out) if dtype in (torch.bfloat16, torch.float32) else None
+        if y is None:
+            y = self.dequantize_reference(dtype)
+            y = y if out is None else out.copy_(y)
+        return y
+
+    def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Into ``out`` (or a new tensor) with the native CPU kernel; None where it does not apply."""
+        return None
+
+    def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain-torch dequantization (the ground truth of the native kernels)."""
+        raise NotImplementedError
+
     def row_slice(self, start: int, stop: int) -> Self:
         """Rows ``start:stop`` of a 2-D weight (e.g. the gate half of one expert's ``w13``), sharing storage."""
         if len(self.shape) != 2:

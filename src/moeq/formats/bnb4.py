@@ -25,7 +25,7 @@ import math
 import torch
 
 from moeq.formats.base import (
-    PackedWeight, check_finite, check_float, check_out, choice_error, dtype_name, parse_dtype, row_chunks, tensor_field,
+    PackedWeight, check_finite, check_float, choice_error, dtype_name, parse_dtype, row_chunks, tensor_field,
 )
 from moeq.formats.codebooks import QUANT_TYPES, code4, dynamic_map
 
@@ -126,30 +126,15 @@ class Bnb4Weight(PackedWeight):
         n = self.numel // self.slices
         return torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten(-2)[:, :n]
 
-    def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Values computed in fp32, then cast (as bitsandbytes does)."""
-        s = self.slices
-        n = self.numel // s
-        bs = self.blocksize
-        absmax = self.resolved_absmax()
-        dtype = dtype or self.dtype
-        check_out(out, self.shape, dtype)
-        if n % bs == 0 and dtype in (torch.bfloat16, torch.float32):
-            y = self._dequantize_native(absmax, dtype, out)
-            if y is not None:
-                return y
-        y = self.dequantize_reference(dtype, absmax)
-        return y if out is None else out.copy_(y)
-
-    def _dequantize_native(self, absmax: torch.Tensor, dtype: torch.dtype,
-                           out: torch.Tensor | None) -> torch.Tensor | None:
+    def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Values computed in fp32, then cast (as bitsandbytes does); whole blocks per slice only."""
         from moeq.kernels import cpu  # noqa: PLC0415
 
         L = cpu.lib()
-        absmax = absmax.contiguous()
-        code = self.code.float().contiguous()
-        if L is None or not cpu.usable(self.packed, absmax, code):
+        if L is None or (self.numel // self.slices) % self.blocksize or not cpu.usable(self.packed, self.absmax):
             return None
+        absmax = self.resolved_absmax().contiguous()
+        code = self.code.float().contiguous()
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         L.moeq_bnb4_dequant(cpu.ptr(self.packed), cpu.ptr(absmax), cpu.ptr(code), cpu.i64(self.numel),
                             cpu.i64(self.blocksize), cpu.ptr(out), int(dtype == torch.bfloat16))

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from moeq.formats.base import PackedWeight, check_finite, check_out, check_float, row_chunks, tensor_field
+from moeq.formats.base import PackedWeight, check_finite, check_float, row_chunks, tensor_field
 
 INV127 = 7.874015718698502e-3  # bitsandbytes' reciprocal of 127
 
@@ -26,21 +26,17 @@ class Int8Weight(PackedWeight):
     def __getitem__(self, idx: int) -> Int8Weight:
         return dataclasses.replace(self, weight=self.weight[idx], scb=self.scb[idx], shape=self.shape[1:])
 
-    def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = dtype or self.dtype
-        check_out(out, self.shape, dtype)
-        if dtype in (torch.bfloat16, torch.float32):
-            from moeq.kernels import cpu  # noqa: PLC0415
+    def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
+        from moeq.kernels import cpu  # noqa: PLC0415
 
-            L = cpu.lib()
-            if L is not None and cpu.usable(self.weight, self.scb) and torch.isfinite(self.scb).all():
-                out = torch.empty(self.shape, dtype=dtype) if out is None else out
-                k = self.shape[-1]
-                L.moeq_int8_dequant(cpu.ptr(self.weight), cpu.ptr(self.scb), cpu.i64(self.numel // k), cpu.i64(k),
-                                    cpu.ptr(out), int(dtype == torch.bfloat16))
-                return out
-        y = self.dequantize_reference(dtype)
-        return y if out is None else out.copy_(y)
+        L = cpu.lib()
+        if L is None or not cpu.usable(self.weight, self.scb) or not torch.isfinite(self.scb).all():
+            return None
+        out = torch.empty(self.shape, dtype=dtype) if out is None else out
+        k = self.shape[-1]
+        L.moeq_int8_dequant(cpu.ptr(self.weight), cpu.ptr(self.scb), cpu.i64(self.numel // k), cpu.i64(k),
+                            cpu.ptr(out), int(dtype == torch.bfloat16))
+        return out
 
     def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Plain-torch dequantization (the ground truth of the native kernel)."""

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from moeq.formats.base import PackedWeight, check_finite, check_out, check_float, choice_error, row_chunks, tensor_field
+from moeq.formats.base import PackedWeight, check_finite, check_float, choice_error, row_chunks, tensor_field
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 
 BITS = (2, 3, 4, 8)
@@ -58,27 +58,16 @@ class RTNWeight(PackedWeight):
     def codes(self) -> torch.Tensor:
         return unpack(self.qdata, self.bits)
 
-    def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        k = self.shape[-1]
-        gs = k if self.group_size == -1 else self.group_size
-        dtype = dtype or self.dtype
-        check_out(out, self.shape, dtype)
-        y = self._dequantize_native(dtype, gs, out)
-        if y is not None:
-            return y
-        y = self.dequantize_reference(dtype)
-        return y if out is None else out.copy_(y)
-
-    def _dequantize_native(self, dtype: torch.dtype, gs: int, out: torch.Tensor | None) -> torch.Tensor | None:
+    def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
         from moeq.kernels import cpu  # noqa: PLC0415
 
-        if (self.bits not in (4, 8) or dtype not in (torch.bfloat16, torch.float32)
-                or self.scale.dtype not in (torch.bfloat16, torch.float32)):
+        if self.bits not in (4, 8) or self.scale.dtype not in (torch.bfloat16, torch.float32):
             return None
         L = cpu.lib()
         if L is None or not cpu.usable(self.qdata, self.scale, self.zero):
             return None
         k = self.shape[-1]
+        gs = k if self.group_size == -1 else self.group_size
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         L.moeq_rtn_dequant(cpu.ptr(self.qdata), cpu.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
                            cpu.ptr(self.zero), self.bits, cpu.i64(self.numel // k), cpu.i64(k), cpu.i64(gs),

@@ -48,13 +48,12 @@ def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | No
     buf = torch.empty(rows, k, dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, k)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    tmp = torch.empty(x2.shape[0], rows, dtype=x.dtype, device=x.device)
+    tmp = torch.empty(x2.shape[0] * rows, dtype=x.dtype, device=x.device)  # one chunk's products
     for a in range(0, n, rows):
         b = min(n, a + rows)
         wa = w.row_slice(a, b).dequantize(x.dtype, out=buf[: b - a])
-        t = tmp[:, : b - a] if b - a == rows else None  # out= needs a contiguous tensor
-        y[:, a:b] = (torch.mm(x2, wa.t(), out=t) if bias is None else
-                     torch.addmm(bias[a:b], x2, wa.t(), out=t))
+        t = tmp[: x2.shape[0] * (b - a)].view(x2.shape[0], b - a)
+        y[:, a:b] = torch.mm(x2, wa.t(), out=t) if bias is None else torch.addmm(bias[a:b], x2, wa.t(), out=t)
     return y.reshape(*x.shape[:-1], n)
 
 

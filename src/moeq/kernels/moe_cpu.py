@@ -14,8 +14,8 @@ MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measure
 
 class WStack(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int), ("dot_bf16", ctypes.c_int), ("q", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("scale_bf16", ctypes.c_int), ("zero", ctypes.c_void_p), ("bits", ctypes.c_int),
-                ("gs", ctypes.c_int64), ("code", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("scale_bf16", ctypes.c_int), ("zero", ctypes.c_void_p),
+                ("bits", ctypes.c_int), ("gs", ctypes.c_int64), ("code", ctypes.c_void_p), ("offset", ctypes.c_void_p),
                 ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p), ("spe", ctypes.c_int64),
                 ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
 
