@@ -38,6 +38,21 @@ def test_dispatch_declines_big_batches_and_3d_inputs():
     assert linear(q, x).shape == (1, 2, 32)
 
 
+def _count_fused(ex, monkeypatch) -> list:
+    """Record calls of the native layer kernels (routed from the router's output, or from grouped pairs)."""
+    calls = []
+    for name in ("moe_forward", "moe_routed"):
+        real = getattr(ex, name)
+        monkeypatch.setattr(ex, name, lambda *args, real=real: calls.append(1) or real(*args))
+    return calls
+
+
+def _no_fused(ex, monkeypatch) -> None:
+    """Decline the native layer kernels: the per-expert path (dequantize + matmul or gemv per expert)."""
+    monkeypatch.setattr(ex, "moe_forward", lambda *args: None)
+    monkeypatch.setattr(ex, "moe_routed", lambda *args: None)
+
+
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128), RTN(4, 32, symmetric=False), BNB4("nf4", 64, True),
                                  BNB4("fp4", 32, False)], ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [6, 40])  # 40 tokens: some experts get more rows than the fused path takes
@@ -59,12 +74,10 @@ def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
                                   for _ in range(t)])
         idx[:, 1:][idx[:, 1:] == 2] = 7
     wts = torch.rand(t, a)
-    calls = []
-    real = ex.moe_forward
-    monkeypatch.setattr(ex, "moe_forward", lambda *args: calls.append(1) or real(*args))
+    calls = _count_fused(ex, monkeypatch)
     fused = mod(x, idx, wts)
     assert calls  # the fused kernel ran (did not decline)
-    monkeypatch.setattr(ex, "moe_forward", lambda *args: None)
+    _no_fused(ex, monkeypatch)
     loop = mod(x, idx, wts)
     assert torch.allclose(fused, loop, atol=1e-5 * loop.abs().max(), rtol=1e-4)
     monkeypatch.setattr(ex, "MAX_TOKENS_PER_PASS", 4)  # long prompts run in passes of tokens: same result
@@ -90,12 +103,10 @@ def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
     x = torch.randn(t, h).bfloat16()
     idx = torch.stack([torch.randperm(e)[:a] for _ in range(t)])
     wts = torch.rand(t, a).bfloat16()
-    calls = []
-    real = ex.moe_forward
-    monkeypatch.setattr(ex, "moe_forward", lambda *args: calls.append(1) or real(*args))
+    calls = _count_fused(ex, monkeypatch)
     fused = mod(x, idx, wts).float()
     assert calls and fused.dtype == torch.float32
-    monkeypatch.setattr(ex, "moe_forward", lambda *args: None)
+    _no_fused(ex, monkeypatch)
     loop = mod(x, idx, wts).float()
     exact = torch.zeros(t, h)  # fp32 from the same dequantized weights
     d13, d2 = mod.w13.dequantize(torch.float32), mod.w2.dequantize(torch.float32)
@@ -149,3 +160,54 @@ def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
     buf = torch.empty(q.numel + 7, dtype=torch.bfloat16)
     assert torch.equal(kernels.reference(q, x, bias, buf), whole)
     assert shapes == [(200, 256)]
+
+
+@pytest.mark.parametrize("cfg", [RTN(8, 128), RTN(8, 32, symmetric=False), RTN(4, 64), RTN(4, 32, symmetric=False)],
+                         ids=lambda c: c.label())
+@pytest.mark.parametrize("rows", [1, 5, 11])
+def test_bf16_gemv_within_one_rounding_of_exact(cfg, rows):
+    """bf16 activations: the AVX512-BF16 kernels' products are exact in fp32, so the bf16 output is the exact fp32
+    result rounded once (to within an accumulation-order ulp), far tighter than bf16 matmul noise."""
+    if not cpu_ops.cpu.has_dpbf16():
+        pytest.skip("built without AVX512-BF16: the fp32 path (tested above) serves bf16 inputs")
+    torch.manual_seed(rows)
+    w = torch.randn(160, 512) * 0.05
+    w[3, :40] *= 30  # outliers: large codes at both ends of the 8-bit range
+    q = cfg.quantize(w.bfloat16())
+    x = torch.randn(rows, 512).bfloat16()
+    y = cpu_ops.rtn_gemv(q, x, None, max_rows=cpu_ops.MAX_ROWS)
+    assert y is not None and y.dtype == torch.bfloat16
+    exact = x.double() @ q.dequantize(torch.float32).double().t()
+    err = (y.double() - exact).abs()
+    assert (err <= 2.0 ** -8 * exact.abs() + 1e-5 * exact.abs().max()).all(), err.max()
+
+
+@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 64), BNB4("nf4", 64, True)], ids=lambda c: c.label())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routed_decode_groups_pairs_like_argsort(cfg, dtype, monkeypatch):
+    """The one-call decode path groups pairs in C; it must equal the Python grouping feeding the same kernel
+    (bit for bit), decline an expert with more than 8 rows, and leave the result to the general path then."""
+    import moeq.nn.experts as ex
+    from moeq.kernels import moe_cpu
+    from moeq.nn import Activation, QuantExperts
+
+    torch.manual_seed(1)
+    e, h, i, a, t = 16, 256, 128, 4, 5
+    mod = QuantExperts(cfg.quantize((torch.randn(e, 2 * i, h) * 0.05).to(dtype)),
+                       cfg.quantize((torch.randn(e, h, i) * 0.05).to(dtype)), Activation())
+    x = torch.randn(t, h).to(dtype)
+    idx = torch.stack([torch.randperm(e)[:a] for _ in range(t)])
+    wts = torch.rand(t, a).to(dtype)
+    routed = moe_cpu.moe_routed(mod, x, idx, wts)
+    assert routed is not None
+    monkeypatch.setattr(ex, "moe_routed", lambda *args: None)
+    grouped = mod(x, idx, wts)
+    assert torch.equal(routed, grouped)
+    crowded = torch.full((3, a), 5)  # expert 5 gets 12 rows: declined, the general path answers
+    assert moe_cpu.moe_routed(mod, x[:3], crowded, wts[:3]) is None
+    monkeypatch.undo()
+    _no_fused(ex, monkeypatch)
+    loop = mod(x[:3], crowded, wts[:3]).float()
+    monkeypatch.undo()
+    assert torch.allclose(mod(x[:3], crowded, wts[:3]).float(), loop, atol=2e-2 * loop.abs().max())
+    assert moe_cpu.moe_routed(mod, x[:1], torch.tensor([[0, 1, 99, 2]]), wts[:1]) is None  # bad index: declined

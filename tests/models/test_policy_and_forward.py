@@ -47,7 +47,8 @@ def test_rules_override_policy(tiny_ckpt):
 def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     m = moeq.load(tiny_ckpt("olmoe", num_experts=8), quant="nf4", progress=False)
     fused_counts = []
-    real_fused = experts_mod.moe_forward
+    real_fused, real_routed = experts_mod.moe_forward, experts_mod.moe_routed
+    monkeypatch.setattr(experts_mod, "moe_routed", lambda *a: None)  # the grouped path below
     monkeypatch.setattr(experts_mod, "moe_forward", lambda *a: fused_counts.append(a[-1]) or None)  # force per-expert
     used, shapes = [], []
     real_linear = experts_mod.expert_linear
@@ -73,7 +74,12 @@ def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     assert [i for i, c in enumerate(fused_counts[0]) if c] == sorted(set(routed[0]))
     monkeypatch.setattr(experts_mod, "moe_forward", real_fused)
     with torch.no_grad():
+        grouped_logits = m(ids).logits
+    monkeypatch.setattr(experts_mod, "moe_routed", real_routed)
+    with torch.no_grad():
         fused_logits = m(ids).logits
+    assert torch.equal(fused_logits, grouped_logits)  # routed in C or grouped in Python: the same kernel call
+    monkeypatch.setattr(experts_mod, "moe_routed", lambda *a: None)
     monkeypatch.setattr(experts_mod, "moe_forward", lambda *a: None)
     with torch.no_grad():
         loop_logits = m(ids).logits

@@ -431,6 +431,73 @@ void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uin
     }
 }
 
+// 8-bit RTN with bf16 activations: each code c (0..255) splits into nibbles, c = 16 hi + lo, and 0x4300 | nibble is
+// bf16(128 + nibble) exactly, so two AVX512-BF16 dot products per 32 weights (products exact in fp32) replace the
+// fp32 path's widen-convert-FMA per 16 weights: sum (c - z) x = V + 16 U - (2176 + z) sum x, with V = sum (128 + lo) x,
+// U = sum (128 + hi) x. Measured on the 151936x2048 lm_head at one row: ~6.7-7.5 ms vs ~8.7-9.1 ms for the fp32 path.
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void rtn8_row_dpbf16(
+    const uint16_t* xb, const float* xsum, const i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+    const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
+    const i64 G = K / gs;
+    const __m512i magic = _mm512_set1_epi16(0x4300), lo4 = _mm512_set1_epi16(0x000F);
+    const __m512 sixteen = _mm512_set1_ps(16.f);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        const float s = load_scale(scale, scale_bf16, n * G + g);
+        const float z = (zero ? (float)zero[n * G + g] : 128.f) + 2176.f;
+        for (i64 m = 0; m < M; m++) zt[m] += z * s * xsum[m * G + g];
+        __m512 v[8], u[8];
+        for (i64 m = 0; m < M; m++) v[m] = u[m] = _mm512_setzero_ps();
+        const uint8_t* qq = q + n * K + g * gs;
+        const uint16_t* xg = xb + g * gs;
+        for (i64 j = 0; j < gs; j += 32) {
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qq + j)));
+            const __m512i lo = _mm512_ternarylogic_epi32(w, lo4, magic, 0xEA);  // (w & 15) | 0x4300
+            const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+            for (i64 m = 0; m < M; m++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xg + m * K + j);
+                v[m] = _mm512_dpbf16_ps(v[m], (__m512bh)lo, xv);
+                u[m] = _mm512_dpbf16_ps(u[m], (__m512bh)hi, xv);
+            }
+        }
+        const __m512 sv = _mm512_set1_ps(s);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(u[m], sixteen, v[m]), sv, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// y[M, N] = x[M, K] @ dequant(W)^T for 8-bit RTN, x bf16 (raw uint16 bits, natural order) with per-group sums xsum
+// [M, G] (fp32, of the bf16 values). gs % 32 == 0. Returns 0 (nothing written) without AVX512-BF16.
+int moeq_rtn8_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                        int scale_bf16, const uint8_t* zero, i64 N, i64 K, i64 gs, float* y) {
+#if defined(__AVX512BF16__)
+    const i64 G = K / gs;
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        for (i64 m0 = 0; m0 < M; m0 += 8) {
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            float zt[8] = {0}, out[8] = {0};
+            const uint16_t* xm = xb + m0 * K;
+            const float* sm = xsum + m0 * G;
+            switch (mc) {
+#define R8_CASE(c) case c: rtn8_row_dpbf16(xm, sm, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); break;
+                R8_CASE(1) R8_CASE(2) R8_CASE(3) R8_CASE(4) R8_CASE(5) R8_CASE(6) R8_CASE(7) R8_CASE(8)
+#undef R8_CASE
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] - zt[m];
+        }
+    }
+    return 1;
+#else
+    (void)xb; (void)xsum; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)zero; (void)N; (void)K; (void)gs;
+    (void)y;
+    return 0;
+#endif
+}
+
 // ---------------------------------------------------------------- bnb4 ------------------------------------------
 // Whole blocks only (n % bs == 0): absmax = max|x|, scaled = clamp(x * (1/absmax), -1, 1), code = number of sorted
 // midpoints strictly below (ties to the lower code), remapped by `order` (FP4); even element -> HIGH nibble.
@@ -675,7 +742,7 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 // act(w13 @ x) and out[token] += weight * y. Removes the per-expert Python dispatch that dominates small batches.
 typedef struct {
     int fmt;                     // 0 = RTN, 1 = bnb4
-    int dot_bf16;                // RTN 4-bit: round activations to bf16 and use moeq_rtn4_gemv_bf16
+    int dot_bf16;                // RTN 4/8-bit: round activations to bf16 (AVX512-BF16 dot products)
     const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
     const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
     int scale_bf16;              // RTN: scale is bf16; bnb4: absmax is uint8 (double quant)
@@ -702,6 +769,14 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
         const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
         moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
                             w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
+    } else if (w->fmt == 0 && w->bits == 8 && w->dot_bf16) {
+        const i64 G = K / w->gs;
+        uint16_t* xb = (uint16_t*)scratch;
+        float* xs = scratch + m * K;
+        for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 0, xb + r * K, xs + r * G);
+        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        moeq_rtn8_gemv_bf16(xb, xs, m, w->q + e * (N * K), sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL,
+                            N, K, w->gs, y);
     } else if (w->fmt == 0) {
         const i64 G = K / w->gs;
         float* xe = scratch;
@@ -862,6 +937,46 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         }
     }
     free(act);
+}
+
+// A decode step's MoE layer straight from the router's output: groups the token-expert pairs by expert (a stable
+// counting sort, the order of argsort(top_k_index.flatten(), stable=True)) and runs the layer kernel above, in one
+// call instead of a dozen small torch ops. Returns 1 (nothing written) when an index is outside [0, E) or an expert
+// gets more than 8 rows: the caller takes its general path. scratch: as the layer kernel for min(E, T*A) active
+// experts.
+int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
+                    const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch) {
+    const i64 P = T * A;
+    i64* starts = (i64*)calloc((size_t)(E + 1), sizeof(i64));
+    i64* tok = (i64*)malloc((size_t)P * sizeof(i64));
+    float* wts = (float*)malloc((size_t)P * sizeof(float));
+    int declined = 0;
+    for (i64 p = 0; p < P; p++) {
+        if (idx[p] < 0 || idx[p] >= E) { declined = 1; break; }
+        starts[idx[p] + 1]++;
+    }
+    for (i64 e = 0; e < E && !declined; e++) {
+        if (starts[e + 1] > 8) declined = 1;
+        starts[e + 1] += starts[e];
+    }
+    if (!declined) {
+        i64* fill = (i64*)malloc((size_t)E * sizeof(i64));
+        memcpy(fill, starts, (size_t)E * sizeof(i64));
+        for (i64 p = 0; p < P; p++) {
+            const i64 slot = fill[idx[p]]++;
+            tok[slot] = p / A;
+            wts[slot] = wt[p];
+        }
+        free(fill);
+        if (w13->fmt == 0 && w2->fmt == 0 && w13->bits == 4 && w2->bits == 4 && w13->dot_bf16 && w2->dot_bf16)
+            moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+        else
+            moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+    }
+    free(starts);
+    free(tok);
+    free(wts);
+    return declined;
 }
 
 // LLM.int8 dequantization: w * scb * (1/127) in fp32 (torch's order), rounded once to bf16 if asked.

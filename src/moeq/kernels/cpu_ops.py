@@ -57,12 +57,17 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
         return None
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
-    if w.bits == 4 and x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():
-        xb = x.reshape(m, k)
+    if x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():  # AVX512-BF16 dot products
+        xb = x.reshape(m, k).contiguous()
         xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
-        p64 = gs % 64 == 0
-        xb = _perm64(xb) if p64 else xb.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
+        if w.bits == 8:
+            L.moeq_rtn8_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata),
+                                  cpu.ptr(w.scale), int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n),
+                                  cpu.i64(k), cpu.i64(gs), cpu.ptr(y))
+            return _finish(y, x, n, bias)
+        p64 = gs % 64 == 0
+        xb = _perm64(xb) if p64 else xb
         L.moeq_rtn4_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
                               int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n), cpu.i64(k),
                               cpu.i64(gs), cpu.ptr(y), int(p64))

@@ -22,7 +22,7 @@ class WStack(ctypes.Structure):
 
 def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
     """Describe an expert stack ``[E, N, K]`` for the kernel (``keep`` holds the tensors alive). ``dot_bf16``: the
-    model computes in bf16, so 4-bit RTN and NF4/FP4 may take activations as bf16 (AVX512-BF16 dot products)."""
+    model computes in bf16, so RTN 4/8-bit and NF4/FP4 may take activations as bf16 (AVX512-BF16 dot products)."""
     e, n, k = w.shape
     if isinstance(w, RTNWeight):
         gs = k if w.group_size == -1 else w.group_size
@@ -31,7 +31,7 @@ def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None
         if not cpu.usable(w.qdata, w.scale, w.zero):
             return None
         keep += [w.qdata, w.scale, w.zero]
-        return WStack(0, int(dot_bf16 and w.bits == 4), w.qdata.data_ptr(), w.scale.data_ptr(),
+        return WStack(0, int(dot_bf16), w.qdata.data_ptr(), w.scale.data_ptr(),
                       int(w.scale.dtype == torch.bfloat16),
                       0 if w.zero is None else w.zero.data_ptr(), w.bits, gs, None, None, None, None, 1, n, k)
     if isinstance(w, Bnb4Weight):
@@ -70,15 +70,63 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     tok = token_of.to(torch.int64).contiguous()
     wts = weight_of.float().contiguous()
     out = torch.zeros_like(xf)
-    if s13.fmt == s2.fmt == 0 and s13.dot_bf16 and s2.dot_bf16:  # 4-bit RTN, bf16 x: parallel across experts
-        active = sum(1 for c in counts if c)
-        scratch = torch.empty(active * 8 * (h // 2 + h // 16 + 2 * i + i // 2 + i // 16 + h) + 64)
+    if _expert_parallel(s13, s2):
+        scratch = _scratch(s13, s2, sum(1 for c in counts if c))
         L.moeq_moe_forward_rtn4_bf16(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i),
                                      cpu.ptr(tok), cpu.ptr(wts), cpu.ptr(starts), cpu.i64(e), cpu.ptr(out),
                                      cpu.ptr(scratch))
         return out.to(x.dtype)
-    kmax, nmax = max(h, i), max(two_i, h)
-    scratch = torch.empty(8 * h * 2 + 8 * 3 * i + 2 * 8 * kmax + 8 * (kmax // 16 + 1) + nmax * kmax // 32 + 64)
+    scratch = _scratch(s13, s2, 0)
     L.moeq_moe_forward(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i), cpu.ptr(tok),
                        cpu.ptr(wts), cpu.ptr(starts), cpu.i64(e), cpu.ptr(out), cpu.ptr(scratch))
+    return out.to(x.dtype)
+
+
+def _expert_parallel(s13: WStack, s2: WStack) -> bool:
+    """4-bit RTN experts with bf16 activations: the layer kernel parallel across experts."""
+    return s13.fmt == s2.fmt == 0 and s13.bits == s2.bits == 4 and bool(s13.dot_bf16 and s2.dot_bf16)
+
+
+def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:
+    h, i = s13.K, s2.K
+    if _expert_parallel(s13, s2):
+        return torch.empty(active * 8 * (h // 2 + h // 16 + 2 * i + i // 2 + i // 16 + h) + 64)
+    kmax, nmax = max(h, i), max(2 * i, h)
+    return torch.empty(8 * h * 2 + 8 * 3 * i + 2 * 8 * kmax + 8 * (kmax // 16 + 1) + nmax * kmax // 32 + 64)
+
+
+def _plan(module, dot: bool) -> tuple[WStack, WStack] | None:
+    """The module's two stacks described for the kernel, built once and reused while its buffers stay the same
+    tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan)."""
+    key = (dot, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
+    plan = module.__dict__.get("_moe_plan")
+    if plan is None or plan[0] != key:
+        keep: list = []
+        stacks = _stack(module.w13, keep, dot), _stack(module.w2, keep, dot)
+        plan = (key, None if None in stacks else stacks, keep)
+        module.__dict__["_moe_plan"] = plan
+    return plan[1]
+
+
+def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's whole MoE layer from the router's output ``top_k_index/top_k_weights [T, A]`` in one native
+    call (pairs grouped by expert inside), or None when outside the kernel's domain (then the caller groups the pairs
+    itself and takes :func:`moe_forward` or the per-expert path)."""
+    L = cpu.lib()
+    t, a = top_k_index.shape
+    if L is None or x.device.type != "cpu" or t > MAX_ROWS:
+        return None
+    stacks = _plan(module, x.dtype == torch.bfloat16 and cpu.has_dpbf16())
+    if stacks is None:
+        return None
+    s13, s2 = stacks
+    xf = x.float().contiguous()
+    idx = top_k_index.to(torch.int64).contiguous()
+    wts = top_k_weights.float().contiguous()
+    out = torch.zeros_like(xf)
+    scratch = _scratch(s13, s2, min(module.num_experts, t * a))
+    if L.moeq_moe_routed(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(s13.K), cpu.i64(s2.K),
+                         cpu.ptr(idx), cpu.ptr(wts), cpu.i64(t), cpu.i64(a), cpu.i64(module.num_experts),
+                         cpu.ptr(out), cpu.ptr(scratch)):
+        return None
     return out.to(x.dtype)

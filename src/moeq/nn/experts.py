@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
-from moeq.kernels.moe_cpu import moe_forward
+from moeq.kernels.moe_cpu import moe_forward, moe_routed
 from moeq.nn.packed import get_packed, set_packed
 
 # Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
@@ -79,6 +79,12 @@ class QuantExperts(nn.Module):
             n = MAX_TOKENS_PER_PASS
             return torch.cat([self(hidden_states[i:i + n], top_k_index[i:i + n], top_k_weights[i:i + n])
                               for i in range(0, t, n)])
+        native = (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
+                  and not self.weight_on_input and hidden_states.device.type == "cpu")
+        if native and t <= MOE_MAX_ROWS:  # decode: routing and every routed expert in one native call
+            y = moe_routed(self, hidden_states, top_k_index, top_k_weights)
+            if y is not None:
+                return y
         out = torch.zeros_like(hidden_states)  # [T, H]
         flat = top_k_index.reshape(-1)  # [T*A]
         order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
@@ -86,10 +92,7 @@ class QuantExperts(nn.Module):
         token_of = order // a  # [T*A]
         weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
         w13, w2 = self.w13, self.w2
-        if self.weight_on_input:
-            return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
-        if (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
-                and hidden_states.device.type == "cpu"):
+        if native:
             # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) go through
             # dequantize + bf16 matmul, which is faster there
             small = [c if c <= MOE_MAX_ROWS else 0 for c in counts]
