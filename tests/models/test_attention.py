@@ -1,0 +1,67 @@
+"""The decode-step attention path vs transformers' sdpa: same math (fp32 here), masks honoured, fallbacks taken."""
+import pytest
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import moeq
+from moeq.nn import attention
+
+
+class _Mod(nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "per_head"])
+def test_decode_attention_matches_sdpa(hq, hkv, mask):
+    torch.manual_seed(hq + hkv)
+    b, s, d = 3, 17, 32
+    q, k, v = torch.randn(b, hq, 1, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    m = None
+    if mask is not None:
+        keep = torch.ones(b, 1 if mask != "per_head" else hq, 1, s, dtype=torch.bool)
+        keep[1, ..., :5] = False  # left padding of the second sequence
+        keep[2, ..., 3] = False
+        m = keep if mask != "float" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    mod = _Mod(hq // hkv)
+    ours, _ = attention.attention_forward(mod, q, k, v, m, scaling=0.3)
+    ref, _ = sdpa_attention_forward(mod, q, k, v, m, scaling=0.3)
+    assert ours.shape == ref.shape == (b, 1, hq, d)
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+    if m is not None:  # the mask matters: masked keys changed the answer
+        free, _ = attention.attention_forward(mod, q, k, v, None, scaling=0.3)
+        assert not torch.allclose(free[1], ours[1], atol=1e-3)
+
+
+def test_prefill_and_unusual_inputs_take_sdpa(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(k) or ("sdpa", None))
+    mod = _Mod(2)
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    assert attention.attention_forward(mod, q, k, k, None)[0] == "sdpa"  # 5 query tokens: prefill
+    q1 = q[:, :, :1]
+    assert attention.attention_forward(mod, q1, k, k, None, dropout=0.1)[0] == "sdpa"
+    assert attention.attention_forward(mod, q1, k, k, None, s_aux=torch.zeros(4))[0] == "sdpa"  # sinks
+    assert len(calls) == 3
+    assert attention.attention_forward(mod, q1, k, k, None)[0] != "sdpa"
+
+
+def test_loaded_model_decodes_like_sdpa(tiny_ckpt):
+    """A padded batch through generate: per-step logits with the decode path equal sdpa's (fp32 model)."""
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int8", dtype=torch.float32, progress=False)
+    assert m.config._attn_implementation == attention.NAME
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        ours = m.generate(ids, **kw)
+        m.set_attn_implementation("sdpa")
+        ref = m.generate(ids, **kw)
+    assert torch.equal(ours.sequences, ref.sequences)
+    for a, b in zip(ours.logits, ref.logits):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
