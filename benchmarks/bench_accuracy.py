@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 import moeq
 from moeq.config import BNB4, FP4, NF4, RTN, Int8, QuantConfig, presets
 from moeq.eval import evaluate_many, tokenize
+from moeq.io.writer import write_json
 
 HERE = Path(__file__).parent
 DATA = HERE.parent.parent / "shared" / "data"
@@ -161,7 +162,7 @@ def main():
     out = {"model": args.model, "dtype": args.dtype, "ctx": args.ctx, "tokens": next(iter(res.values())).tokens,
            "ref_ppl": next(iter(res.values())).ref_ppl, "rows": list(rows.values())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(f"reference ({args.dtype}) PPL {out['ref_ppl']:.3f} on {out['tokens']} held-out tokens, ctx {args.ctx}\n")
     print("| method | bits/weight | PPL | mean KL | p99 KL | top-1 | KL × vLLM g192 | quantize s (GB/s) |")
     print("|---|---|---|---|---|---|---|---|")

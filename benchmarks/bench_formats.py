@@ -13,6 +13,7 @@ import torch
 
 from moeq.config import BNB4, RTN, Int8
 from moeq.demo import synthetic_stack
+from moeq.io.writer import write_json
 
 
 def timed(fn, repeat: int = 2):
@@ -57,7 +58,7 @@ def main():
     res = {"shape": args.shape, "input_gb": gb, "threads": torch.get_num_threads(), "torch": torch.__version__,
            "machine": platform.processor() or platform.machine(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     print("| format | quantize GB/s | dequantize GB/s | quantize × bnb | dequantize × bnb |")
     print("|---|---|---|---|---|")
     for r in rows:

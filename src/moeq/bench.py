@@ -159,11 +159,15 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+def _id_bound(model: nn.Module) -> int:
+    return min(1000, model.config.get_text_config().vocab_size)
+
+
 @torch.no_grad()
 def decode_tps(model: nn.Module, batch: int, prompt: int = 32, new: int = 128, reps: int = 3) -> float:
     """Decode tokens/s: (time of ``new`` tokens - time of 1 token, i.e. the prompt) per decoded token, best of
     ``reps``."""
-    ids = torch.randint(0, 1000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+    ids = torch.randint(0, _id_bound(model), (batch, prompt), generator=torch.Generator().manual_seed(batch))
     kw = dict(do_sample=False, pad_token_id=0)
     model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
     first = _best(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), reps)
@@ -172,78 +176,150 @@ def decode_tps(model: nn.Module, batch: int, prompt: int = 32, new: int = 128, r
 
 
 @torch.no_grad()
-def prefill_tps(model: nn.Module, length: int, reps: int = 3) -> float:
-    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(length))
-    model(ids[:, :16])
-    return length / _best(lambda: model(ids), reps)
+def prefill_seconds(model: nn.Module, length: int, all_logits: bool) -> float:
+    """One forward over a ``length``-token prompt. ``all_logits=False`` is what ``generate`` runs (logits of the last
+    position only: the time to the first token); ``True`` also computes the other positions' logits (scoring)."""
+    ids = torch.randint(0, _id_bound(model), (1, length), generator=torch.Generator().manual_seed(length))
+    kw = {} if all_logits else {"logits_to_keep": 1}
+    t0 = time.perf_counter()
+    model(ids, **kw)
+    return time.perf_counter() - t0
+
+
+def paired_prefill(models: dict[str, nn.Module], lengths, reps: int = 3) -> dict[str, dict[str, float]]:
+    """Prefill tok/s of several models measured in alternation (A B A B ...), best of ``reps`` each: slow phases of a
+    shared machine then hit every model alike, so their ratios hold even when the absolute numbers move."""
+    out = {name: {} for name in models}
+    for n in lengths:
+        for all_logits in (False, True):
+            key = f"prefill{'_all_logits' if all_logits else ''}_tps_{n}"
+            for m in models.values():
+                prefill_seconds(m, 16, all_logits)  # warm-up
+            best = {name: float("inf") for name in models}
+            for _ in range(reps):
+                for name, m in models.items():
+                    best[name] = min(best[name], prefill_seconds(m, n, all_logits))
+            for name in models:
+                out[name][key] = n / best[name]
+                log.info("%s %s: %.1f tok/s", name, key, out[name][key])
+    return out
+
+
+def _load_system(sysname: str, ckpt: Path, presets: dict) -> nn.Module:
+    import moeq  # noqa: PLC0415
+
+    if sysname == "transformers bf16":
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    if sysname == "transformers+bnb nf4":
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: PLC0415
+
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, quantization_config=bnb).eval()
+    return moeq.load(ckpt, quant=presets[sysname], progress=False)
+
+
+BASELINE = "transformers bf16"
 
 
 def run(ckpt: Path, systems: list[str], batches=(1, 4, 16), prefills=(512, 2048), new_tokens: int = 128,
         top_k: int = 8, group_size: int = 128) -> dict:
-    import moeq  # noqa: PLC0415
-
-    bw = memory_bandwidth()
+    """Phase 1, one system at a time (so peak RSS is its own): load seconds, bytes, decode tok/s, with a bandwidth
+    probe just before and after its batch-1 decode for its roofline. Phase 2: prefill of every system in alternation
+    with transformers bf16 (both resident), so prefill ratios come from paired measurements."""
     presets = _presets(group_size)
-    results = {"checkpoint": str(ckpt), "memory_bandwidth_gbps": bw / 1e9, "threads": torch.get_num_threads(),
-               "systems": []}
+    valid = [BASELINE, "transformers+bnb nf4", *presets]
+    bad = [s for s in systems if s not in valid]
+    if bad:
+        raise ValueError(f"unknown system(s) {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+    results = {"checkpoint": str(ckpt), "threads": torch.get_num_threads(), "systems": []}
     for sysname in systems:
         gc.collect()
         reset_peak_rss()
         t0 = time.perf_counter()
-        if sysname == "transformers bf16":
-            from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
-        elif sysname == "transformers+bnb nf4":
-            from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: PLC0415
-
-            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                     bnb_4bit_compute_dtype=torch.bfloat16)
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, quantization_config=bnb).eval()
-        elif sysname in presets:
-            model = moeq.load(ckpt, quant=presets[sysname], progress=False)
-        else:
-            raise ValueError(f"unknown system {sysname!r}; valid: transformers bf16, transformers+bnb nf4, "
-                             f"{', '.join(presets)}")
+        model = _load_system(sysname, ckpt, presets)
         load_s = time.perf_counter() - t0
         total, layers = model_bytes(model)
         row = {"system": sysname, "load_seconds": load_s, "model_bytes": total, "layer_bytes": layers}
+        bw = memory_bandwidth()
         for b in batches:
             row[f"decode_tps_b{b}"] = decode_tps(model, b, new=new_tokens)
             log.info("%s decode b%d: %.2f tok/s", sysname, b, row[f"decode_tps_b{b}"])
-        for n in prefills:
-            row[f"prefill_tps_{n}"] = prefill_tps(model, n)
-            log.info("%s prefill %d: %.1f tok/s", sysname, n, row[f"prefill_tps_{n}"])
+            if b == 1:
+                bw = max(bw, memory_bandwidth())
         k = getattr(model.config.get_text_config(), "num_experts_per_tok", None) or top_k
         bpt = bytes_per_token(model, k)
+        row["memory_bandwidth_gbps"] = bw / 1e9
         row["bytes_per_token"] = bpt
         row["roofline_tps"] = bw / bpt
         row["roofline_fraction_b1"] = row["decode_tps_b1"] / row["roofline_tps"]
         row["peak_rss_bytes"] = peak_rss()
         results["systems"].append(row)
         del model
-    base = next((r for r in results["systems"] if r["system"] == "transformers bf16"), None)
+    results["memory_bandwidth_gbps"] = max(r["memory_bandwidth_gbps"] for r in results["systems"])
+    if prefills:
+        _prefill_phase(results, ckpt, presets, prefills)
+    base = next((r for r in results["systems"] if r["system"] == BASELINE), None)
     if base:
         for r in results["systems"]:
             r["decode_b1_vs_bf16"] = r["decode_tps_b1"] / base["decode_tps_b1"]
-            for n in prefills:
-                r[f"prefill_{n}_vs_bf16"] = r[f"prefill_tps_{n}"] / base[f"prefill_tps_{n}"]
             r["layer_bytes_vs_bf16"] = r["layer_bytes"] / base["layer_bytes"]
     return results
+
+
+def _prefill_phase(results: dict, ckpt: Path, presets: dict, prefills) -> None:
+    rows = {r["system"]: r for r in results["systems"]}
+    if BASELINE not in rows:  # nothing to pair with: each system alone
+        for name, r in rows.items():
+            gc.collect()
+            model = _load_system(name, ckpt, presets)
+            r.update(paired_prefill({name: model}, prefills)[name])
+            del model
+        return
+    gc.collect()
+    base = _load_system(BASELINE, ckpt, presets)
+    base_best: dict[str, float] = {}
+    for name, r in rows.items():
+        if name == BASELINE:
+            continue
+        gc.collect()
+        model = _load_system(name, ckpt, presets)
+        got = paired_prefill({BASELINE: base, name: model}, prefills)
+        del model
+        r.update(got[name])
+        for key, v in got[BASELINE].items():
+            r[key.replace("_tps_", "_vs_bf16_")] = got[name][key] / v  # the ratio within this pairing
+            base_best[key] = max(base_best.get(key, 0.0), v)
+    if len(rows) == 1:
+        base_best = paired_prefill({BASELINE: base}, prefills)[BASELINE]
+    rows[BASELINE].update(base_best)
+    for key in base_best:
+        rows[BASELINE][key.replace("_tps_", "_vs_bf16_")] = 1.0
+    del base
 
 
 def table(results: dict) -> str:
     rows = results["systems"]
     bs = sorted({int(k.split("_b")[1]) for r in rows for k in r if k.startswith("decode_tps_b")})
     ps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("prefill_tps_")})
+    paired = any(k.startswith("prefill_vs_bf16_") for r in rows for k in r)
     head = (["system"] + [f"decode b{b} tok/s" for b in bs] + [f"prefill {p} tok/s" for p in ps]
-            + ["decode b1 × bf16", "roofline tok/s", "of roofline", "layers GB", "model GB", "peak RSS GB", "load s"])
+            + ([f"prefill {p} × bf16" for p in ps] + [f"all-logits {p} × bf16" for p in ps] if paired else [])
+            + ["decode b1 × bf16", "bandwidth GB/s", "roofline tok/s", "of roofline", "layers GB", "model GB",
+               "peak RSS GB", "load s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["system"]] + [f"{r[f'decode_tps_b{b}']:.1f}" for b in bs] + [f"{r[f'prefill_tps_{p}']:.0f}"
-                                                                               for p in ps]
-        cells += [f"{r.get('decode_b1_vs_bf16', float('nan')):.2f}", f"{r['roofline_tps']:.1f}",
-                  f"{r['roofline_fraction_b1']:.0%}", f"{r['layer_bytes'] / 1e9:.2f}", f"{r['model_bytes'] / 1e9:.2f}",
-                  f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['load_seconds']:.0f}"]
+        cells = [r["system"]] + [f"{r[f'decode_tps_b{b}']:.1f}" for b in bs]
+        cells += [f"{r[f'prefill_tps_{p}']:.0f}" for p in ps]
+        if paired:
+            cells += [f"{r.get(f'prefill_vs_bf16_{p}', float('nan')):.2f}" for p in ps]
+            cells += [f"{r.get(f'prefill_all_logits_vs_bf16_{p}', float('nan')):.2f}" for p in ps]
+        cells += [f"{r.get('decode_b1_vs_bf16', float('nan')):.2f}", f"{r['memory_bandwidth_gbps']:.1f}",
+                  f"{r['roofline_tps']:.1f}", f"{r['roofline_fraction_b1']:.0%}", f"{r['layer_bytes'] / 1e9:.2f}",
+                  f"{r['model_bytes'] / 1e9:.2f}", f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['load_seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\nmeasured memory bandwidth: {results['memory_bandwidth_gbps']:.1f} GB/s"
+    return "\n".join(lines) + ("\n\nbandwidth: the best of probes just before and after each system's batch-1 decode "
+                               "(its roofline's); prefill = time to the first token (last-position logits, as "
+                               "generate runs it); × bf16 columns: paired, alternating runs")

@@ -177,8 +177,9 @@ def cmd_bench(args) -> int:
     res = bench.run(ckpt, args.systems, batches=tuple(args.batches), prefills=tuple(args.prefill),
                     new_tokens=args.new_tokens, group_size=args.group_size)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        from moeq.io.writer import write_json  # noqa: PLC0415
+
+        write_json(args.out, res)
     print(bench.table(res))
     return 0
 
@@ -198,7 +199,9 @@ def cmd_demo(args) -> int:
                          ("max_abs_err", "max|err|", ".2e"), ("quantize_gbps", "quant GB/s", ".2f"),
                          ("dequantize_gbps", "dequant GB/s", ".2f")]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": rows, "formats": frows}, indent=1))
+        from moeq.io.writer import write_json  # noqa: PLC0415
+
+        write_json(args.json, {"model": rows, "formats": frows})
     return 0
 
 

@@ -27,6 +27,21 @@ def copy_side_files(source: str | os.PathLike | None, out: Path) -> None:
             shutil.copy2(Path(source) / f, out / f)
 
 
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write JSON to a temporary sibling, then rename it into place: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     out = Path(out)
