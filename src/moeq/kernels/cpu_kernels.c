@@ -133,16 +133,18 @@ void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             const i64 o = r * K + g * gs;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
             if (out_bf16 && bits == 4 && gs % 32 == 0) {
+                // the group's 16 possible values, (c - z) * s rounded once to bf16, looked up per weight: one word
+                // permute per 32 weights (bit-identical to computing each product)
                 const uint8_t* qq = q + r * (K / 2) + g * gs / 2;
-                const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
-                const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-                const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+                const __m512 vals = _mm512_mul_ps(_mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+                                                                              2, 1, 0), _mm512_set1_ps(z)),
+                                                  _mm512_set1_ps(s));
+                const __m512i tab = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(vals));
+                const __m512i mask = _mm512_set1_epi32(0x000F000F);
                 for (i64 j = 0; j < gs / 2; j += 16) {
-                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
-                    __m512 lo = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), zv), sv);
-                    __m512 hi = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), zv), sv);
-                    __m512 a0 = _mm512_permutex2var_ps(lo, i0, hi), a1 = _mm512_permutex2var_ps(lo, i1, hi);
-                    _mm512_storeu_si512((void*)((uint16_t*)out + o + 2 * j), (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
+                    const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), mask, 0xA8);  // (a|b)&c
+                    _mm512_storeu_si512((void*)((uint16_t*)out + o + 2 * j), _mm512_permutexvar_epi16(idx, tab));
                 }
                 continue;
             }
@@ -552,16 +554,16 @@ void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* 
         const i64 o = b * bs;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (out_bf16 && bs % 32 == 0) {
-            const __m512 tab = _mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(1.0f));
-            const __m512 av = _mm512_set1_ps(a);
-            const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            // the block's 16 values code[i] * absmax rounded once to bf16, looked up per weight (element 2j is the
+            // high nibble): one word permute per 32 weights, bit-identical to computing each product
+            const __m512i tab = _mm512_broadcast_i64x4(
+                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(a))));
+            const __m512i mask = _mm512_set1_epi32(0x000F000F);
             for (i64 j = 0; j < bs / 2; j += 16) {
-                __m512i bb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
-                __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bb, 4), tab), av);
-                __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bb, _mm512_set1_epi32(15)), tab), av);
-                __m512 a0 = _mm512_permutex2var_ps(hi, i0, lo), a1 = _mm512_permutex2var_ps(hi, i1, lo);
-                _mm512_storeu_si512((void*)((uint16_t*)out + o + 2 * j), (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
+                const __m512i bb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
+                const __m512i idx = _mm512_ternarylogic_epi32(_mm512_srli_epi32(bb, 4), _mm512_slli_epi32(bb, 16), mask,
+                                                              0xA8);  // (a | b) & c
+                _mm512_storeu_si512((void*)((uint16_t*)out + o + 2 * j), _mm512_permutexvar_epi16(idx, tab));
             }
             continue;
         }
