@@ -151,6 +151,7 @@ def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
     y = kernels.reference(q, x, bias)
     assert y.shape == (2, 9, 200)
     assert torch.equal(y, whole)
+    assert torch.equal(y.view(-1, 200), y.reshape(-1, 200))  # a view over tokens works, as the loss takes one
     if q.row_sliceable:
         assert shapes == [(32, 256)] * 6 + [(8, 256)]
     else:

@@ -43,18 +43,21 @@ def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Row chunks of ``w`` dequantized into one cache-sized buffer; each chunk's products land directly in rows of the
+    transposed output (contiguous writes, no copy), returned as a ``[..., N]`` view of it."""
     n, k = w.shape
     rows = max(1, DEQUANT_CHUNK // k)
     buf = torch.empty(rows, k, dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, k)
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    tmp = torch.empty(x2.shape[0] * rows, dtype=x.dtype, device=x.device)  # one chunk's products
+    yt = torch.empty(n, x2.shape[0], dtype=x.dtype, device=x.device)  # [N, M]
     for a in range(0, n, rows):
         b = min(n, a + rows)
         wa = w.row_slice(a, b).dequantize(x.dtype, out=buf[: b - a])
-        t = tmp[: x2.shape[0] * (b - a)].view(x2.shape[0], b - a)
-        y[:, a:b] = torch.mm(x2, wa.t(), out=t) if bias is None else torch.addmm(bias[a:b], x2, wa.t(), out=t)
-    return y.reshape(*x.shape[:-1], n)
+        if bias is None:
+            torch.mm(wa, x2.t(), out=yt[a:b])
+        else:
+            torch.addmm(bias[a:b, None], wa, x2.t(), out=yt[a:b])
+    return yt.t().reshape(*x.shape[:-1], n)
 
 
 def linear(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
