@@ -186,9 +186,10 @@ def prefill_seconds(model: nn.Module, length: int, all_logits: bool) -> float:
     return time.perf_counter() - t0
 
 
-def paired_prefill(models: dict[str, nn.Module], lengths, reps: int = 3) -> dict[str, dict[str, float]]:
-    """Prefill tok/s of several models measured in alternation (A B A B ...), best of ``reps`` each: slow phases of a
-    shared machine then hit every model alike, so their ratios hold even when the absolute numbers move."""
+def paired_prefill(models: dict[str, nn.Module], lengths, reps: int | None = None) -> dict[str, dict[str, float]]:
+    """Prefill tok/s of several models measured in alternation (A B A B ...), best of ``reps`` each (default 5 up
+    to 1024 tokens, 3 beyond): slow phases of a shared machine then hit every model alike, so their ratios hold even
+    when the absolute numbers move."""
     out = {name: {} for name in models}
     for n in lengths:
         for all_logits in (False, True):
@@ -196,7 +197,7 @@ def paired_prefill(models: dict[str, nn.Module], lengths, reps: int = 3) -> dict
             for m in models.values():
                 prefill_seconds(m, 16, all_logits)  # warm-up
             best = {name: float("inf") for name in models}
-            for _ in range(reps):
+            for _ in range(reps or (5 if n <= 1024 else 3)):
                 for name, m in models.items():
                     best[name] = min(best[name], prefill_seconds(m, n, all_logits))
             for name in models:

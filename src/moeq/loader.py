@@ -24,6 +24,7 @@ from moeq.convert import (
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
 from moeq.nn import Activation, QuantExperts, QuantLinear, attention
+from moeq.nn.linear import canonicalize_head_input
 
 log = logging.getLogger(__name__)
 QUANT_METHOD = "moeq"
@@ -115,6 +116,7 @@ def _finish(model: nn.Module, unused: list[str], config) -> nn.Module:
         raise ValueError("; ".join(parts))
     model.eval()
     model.requires_grad_(False)
+    canonicalize_head_input(model)
     attention.use(model)
     return model
 

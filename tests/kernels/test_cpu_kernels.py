@@ -216,3 +216,28 @@ def test_routed_decode_groups_pairs_like_argsort(cfg, dtype, monkeypatch):
     monkeypatch.undo()
     assert torch.allclose(mod(x[:3], crowded, wts[:3]).float(), loop, atol=2e-2 * loop.abs().max())
     assert moe_cpu.moe_routed(mod, x[:1], torch.tensor([[0, 1, 99, 2]]), wts[:1]) is None  # bad index: declined
+
+
+@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 32, symmetric=False), BNB4("nf4", 64, True)],
+                         ids=lambda c: c.label())
+def test_products_written_in_place_equal_fresh(cfg):
+    """The many-rows expert path writes each product into its slice of one output (``out=``) and applies SiLU-GLU
+    in place: bit-identical to fresh tensors."""
+    from moeq.kernels import expert_linear
+    from moeq.nn import Activation
+
+    torch.manual_seed(3)
+    w = cfg.quantize((torch.randn(4, 96, 128) * 0.05).bfloat16())
+    x = torch.randn(40, 128).bfloat16()
+    buf = torch.empty(w.numel // 4, dtype=torch.bfloat16)
+    ys = torch.full((50, 96), float("nan"), dtype=torch.bfloat16)
+    got = expert_linear(w, 2, x, None, buf, ys[5:45])
+    assert got.data_ptr() == ys[5:45].data_ptr()
+    assert torch.equal(ys[5:45], reference(w[2], x))
+    assert ys[:5].isnan().all() and ys[45:].isnan().all()  # nothing written outside the slice
+    bias = torch.randn(96).bfloat16()
+    assert torch.equal(expert_linear(w, 1, x, bias, buf, torch.empty(40, 96, dtype=torch.bfloat16)),
+                       reference(w[1], x, bias))
+    h = torch.randn(40, 64).bfloat16()
+    expect = Activation()(h[:, :32], h[:, 32:])
+    assert torch.equal(Activation().glu_(h.clone(), 32), expect)

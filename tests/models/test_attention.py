@@ -65,3 +65,24 @@ def test_loaded_model_decodes_like_sdpa(tiny_ckpt):
     assert torch.equal(ours.sequences, ref.sequences)
     for a, b in zip(ours.logits, ref.logits):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_dense_head_gets_standard_strides(tiny_ckpt):
+    """transformers slices the last position as a strided [B, 1, K] view; moeq's dense head copies it to standard
+    strides first (torch's CPU bf16 linear is ~15x slower on that view when the weight does not require grad)."""
+    from moeq.nn.linear import _canonical_input
+
+    head = torch.nn.Linear(16, 40, bias=False).bfloat16().requires_grad_(False)
+    hidden = torch.randn(3, 7, 16).bfloat16()
+    view = hidden[:, -1:, :]
+    (fixed,) = _canonical_input(head, (view,))
+    assert fixed.stride() == (16, 16, 1) and torch.equal(fixed, view)
+    assert _canonical_input(head, (hidden,)) is None  # already standard: untouched, no copy
+    m = moeq.load(tiny_ckpt("qwen3_moe", tie_word_embeddings=True), quant="rtn-int4", progress=False)
+    out_head = m.get_output_embeddings()
+    assert isinstance(out_head, torch.nn.Linear) and out_head._forward_pre_hooks  # tied: dense, hooked
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        last = m(ids, logits_to_keep=1).logits
+        full = m(ids).logits
+    assert torch.allclose(last[:, 0].float(), full[:, -1].float(), atol=1e-2)

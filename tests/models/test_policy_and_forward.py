@@ -53,7 +53,7 @@ def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     used, shapes = [], []
     real_linear = experts_mod.expert_linear
     monkeypatch.setattr(experts_mod, "expert_linear",
-                        lambda w, e, x, b=None, buf=None: used.append(e) or real_linear(w, e, x, b, buf))
+                        lambda w, e, x, b=None, buf=None, out=None: used.append(e) or real_linear(w, e, x, b, buf, out))
     from moeq.formats import Bnb4Weight
 
     orig = Bnb4Weight.dequantize

@@ -32,14 +32,20 @@ DEQUANT_CHUNK = 1 << 21
 
 
 def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
-              buf: torch.Tensor | None = None) -> torch.Tensor:
+              buf: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ dequant(w)[N, K].T + bias`` in x's dtype. ``buf``: an optional flat scratch tensor of x's
-    dtype with at least ``w.numel`` elements to dequantize into (callers looping over experts reuse one)."""
+    dtype with at least ``w.numel`` elements to dequantize into (callers looping over experts reuse one); ``out``: an
+    optional ``[n, N]`` destination for a 2-D ``x`` (the product is written there, not copied)."""
     if buf is not None and buf.dtype == x.dtype and buf.numel() >= w.numel:
-        return F.linear(x, w.dequantize(x.dtype, out=buf[: w.numel].view(w.shape)), bias)
-    if len(w.shape) == 2 and w.numel > CHUNKED_ABOVE and w.row_sliceable:
-        return _reference_chunked(w, x, bias)
-    return F.linear(x, w.dequantize(x.dtype), bias)
+        wd = w.dequantize(x.dtype, out=buf[: w.numel].view(w.shape))
+        if out is not None and x.dim() == 2:
+            return torch.mm(x, wd.t(), out=out) if bias is None else torch.addmm(bias, x, wd.t(), out=out)
+        y = F.linear(x, wd, bias)
+    elif len(w.shape) == 2 and w.numel > CHUNKED_ABOVE and w.row_sliceable:
+        y = _reference_chunked(w, x, bias)
+    else:
+        y = F.linear(x, w.dequantize(x.dtype), bias)
+    return y if out is None else out.copy_(y)
 
 
 def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,18 +67,18 @@ def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
-           buf: torch.Tensor | None = None) -> torch.Tensor:
+           buf: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     for k in _KERNELS.get(w.format, ()):
         y = k(w, x, bias)
         if y is not None:
-            return y
-    return reference(w, x, bias, buf)
+            return y if out is None else out.copy_(y)
+    return reference(w, x, bias, buf, out)
 
 
 def expert_linear(w: PackedWeight, e: int, x: torch.Tensor, bias: torch.Tensor | None = None,
-                  buf: torch.Tensor | None = None) -> torch.Tensor:
+                  buf: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Expert ``e`` of a stacked weight ``[E, N, K]`` applied to ``x [n, K]``; touches only that expert."""
-    return linear(w[e], x, bias, buf)
+    return linear(w[e], x, bias, buf, out)
 
 
 def _register_builtin() -> None:

@@ -32,3 +32,29 @@ class QuantLinear(nn.Module):
             if y is not None:
                 return y
         return linear(self.qweight, x, self.bias)
+
+
+def _canonical_input(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook: give a dense ``nn.Linear`` its input with standard strides. transformers feeds the head
+    ``hidden[:, -1:, :]``, a ``[B, 1, K]`` view whose batch stride is the whole prompt's; torch 2.13's CPU bf16 linear
+    with a weight that does not require grad takes a slow path on it (measured: 57 ms vs 3.4 ms for a 49152x576 head,
+    220 ms vs 3.9 ms at batch 4). Copying those B rows is free by comparison."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.device.type != "cpu":
+        return None
+    expected, step = [], 1
+    for size in reversed(x.shape):
+        expected.append(step)
+        step *= size
+    if tuple(reversed(expected)) == x.stride():
+        return None
+    return (x.clone(memory_format=torch.contiguous_format), *args[1:])
+
+
+def canonicalize_head_input(model: nn.Module) -> None:
+    """Install :func:`_canonical_input` on the model's output head when it stays a dense ``nn.Linear`` (tied
+    embeddings, or a head left unquantized)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear) and not getattr(head, "_moeq_canonical_input", False):
+        head.register_forward_pre_hook(_canonical_input)
+        head._moeq_canonical_input = True
