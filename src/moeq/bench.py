@@ -274,37 +274,29 @@ def run(ckpt: Path, systems: list[str], batches=(1, 4, 16), prefills=(512, 2048)
 
 
 def _prefill_phase(results: dict, ckpt: Path, presets: dict, prefills) -> None:
+    """Prefill of every system, each alternating with transformers bf16 when it is among them (kept loaded)."""
     rows = {r["system"]: r for r in results["systems"]}
-    if BASELINE not in rows:  # nothing to pair with: each system alone
-        for name, r in rows.items():
-            gc.collect()
-            model = _load_system(name, ckpt, presets)
-            r.update(paired_prefill({name: model}, prefills)[name])
-            del model
-        return
     gc.collect()
-    base = _load_system(BASELINE, ckpt, presets)
-    base_best: dict[str, float] = {}
-    for name, r in rows.items():
-        if name == BASELINE:
-            continue
+    base = _load_system(BASELINE, ckpt, presets) if BASELINE in rows else None
+    base_runs = []
+    for name in (n for n in rows if n != BASELINE):
         gc.collect()
-        model = _load_system(name, ckpt, presets)
-        got = paired_prefill({BASELINE: base, name: model}, prefills)
-        del model
-        r.update(got[name])
-        for key, v in got[BASELINE].items():
-            if "_tps_" not in key:
-                continue
-            ours, theirs = got[name][key.replace("_tps_", "_seconds_")], got[BASELINE][key.replace("_tps_", "_seconds_")]
+        models = ({BASELINE: base} if base is not None else {}) | {name: _load_system(name, ckpt, presets)}
+        got = paired_prefill(models, prefills)
+        del models
+        rows[name].update(got[name])
+        if base is None:
+            continue
+        base_runs.append(got[BASELINE])
+        for key in (k for k in got[name] if "_seconds_" in k):
             # the ratio: median over rounds of bf16 seconds / this system's seconds, each from adjacent runs
-            r[key.replace("_tps_", "_vs_bf16_")] = statistics.median(b / a for a, b in zip(ours, theirs))
-            base_best[key] = max(base_best.get(key, 0.0), v)
-    if len(rows) == 1:
-        base_best = {k: v for k, v in paired_prefill({BASELINE: base}, prefills)[BASELINE].items() if "_tps_" in k}
-    rows[BASELINE].update(base_best)
-    for key in base_best:
-        rows[BASELINE][key.replace("_tps_", "_vs_bf16_")] = 1.0
+            rows[name][key.replace("_seconds_", "_vs_bf16_")] = statistics.median(
+                b / a for a, b in zip(got[name][key], got[BASELINE][key]))
+    if base is not None:
+        base_runs = base_runs or [paired_prefill({BASELINE: base}, prefills)[BASELINE]]
+        for key in (k for k in base_runs[0] if "_tps_" in k):
+            rows[BASELINE][key] = max(run[key] for run in base_runs)
+            rows[BASELINE][key.replace("_tps_", "_vs_bf16_")] = 1.0
     del base
 
 
@@ -328,7 +320,7 @@ def table(results: dict) -> str:
                   f"{r['roofline_tps']:.1f}", f"{r['roofline_fraction_b1']:.0%}", f"{r['layer_bytes'] / 1e9:.2f}",
                   f"{r['model_bytes'] / 1e9:.2f}", f"{r['peak_rss_bytes'] / 1e9:.2f}", f"{r['load_seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + ("\n\nbandwidth: the best of probes just before and after each system's batch-1 decode "
-                               "(its roofline's); prefill = time to the first token (last-position logits, as "
-                               "generate runs it), best round; × bf16 columns: median over rounds of transformers bf16's seconds / the "
-                               "system's, the two run back to back in each round")
+    return "\n".join(lines) + (
+        "\n\nbandwidth: the best of probes just before and after each system's batch-1 decode (its roofline's); "
+        "prefill = time to the first token (last-position logits, as generate runs it), best round; × bf16 columns: "
+        "median over rounds of transformers bf16's seconds / the system's, the two run back to back in each round")
