@@ -86,9 +86,9 @@ def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
     assert torch.allclose(passes, loop, atol=1e-5 * loop.abs().max(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 32, symmetric=False), RTN(8, 128), BNB4("nf4", 64, True),
-                                 BNB4("fp4", 128, False)], ids=lambda c: c.label())
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 64, symmetric=False), RTN(4, 32, symmetric=False), RTN(8, 128),
+                                 BNB4("nf4", 64, True), BNB4("fp4", 128, False)], ids=lambda c: c.label())
+@pytest.mark.parametrize("t", [1, 5])  # 1: every active expert has one row (the kernel's one-row loops)
 def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
     """bf16 models: 4-bit RTN experts run the expert-parallel AVX512-BF16 layer kernel, NF4/FP4 the bf16-dot gemv;
     equal to the per-expert
@@ -241,3 +241,38 @@ def test_products_written_in_place_equal_fresh(cfg):
     h = torch.randn(40, 64).bfloat16()
     expect = Activation()(h[:, :32], h[:, 32:])
     assert torch.equal(Activation().glu_(h.clone(), 32), expect)
+
+
+@pytest.mark.parametrize("cfg", [RTN(4, 128), RTN(4, 32, symmetric=False), RTN(8, 64, symmetric=False), RTN(8, 128)],
+                         ids=lambda c: c.label())
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 2)])  # (batch, tokens): [B, T, K] inputs
+@pytest.mark.parametrize("bias", [False, True])
+def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
+    """bf16 QuantLinear at decode sizes runs as one native call (layout, gemv, rounding, bias): equal to the Python
+    kernel path within one bf16 rounding, also on a strided [B, 1, K] view; a new weight rebuilds the plan."""
+    from moeq.kernels import cpu
+    from moeq.nn import QuantLinear
+    from moeq.nn.packed import set_packed
+
+    if not cpu.has_dpbf16():
+        pytest.skip("needs AVX512-BF16")
+    torch.manual_seed(sum(shape))
+    n, k = 320, 512
+    mod = QuantLinear(cfg.quantize(torch.randn(n, k).bfloat16()), torch.randn(n).bfloat16() if bias else None)
+    full = torch.randn(shape[0], shape[1] + 3, k).bfloat16()
+    x = full[:, -shape[1]:, :]  # a view with the whole prompt's batch stride, as transformers feeds the head
+    taken = []
+    real = cpu_ops.rtn_linear_bf16
+    monkeypatch.setattr(cpu_ops, "rtn_linear_bf16", lambda *a: taken.append(1) or real(*a))
+    y = mod(x)
+    assert taken and real(mod, x) is not None and y.shape == (*shape, n) and y.dtype == torch.bfloat16
+    ref = linear(mod.qweight, x.contiguous(), mod.bias).float()
+    assert (y.float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
+    exact = x.float() @ mod.qweight.dequantize(torch.float32).t() + (0 if mod.bias is None else mod.bias.float())
+    assert (y.float() - exact).abs().max() <= exact.abs().max() * 2 ** -7
+    set_packed(mod, "weight", cfg.quantize(torch.randn(n, k).bfloat16()))
+    y2 = mod(x).float()
+    ref2 = linear(mod.qweight, x.contiguous(), mod.bias).float()
+    assert (y2 - ref2).abs().max() <= ref2.abs().max() * 2 ** -7 and not torch.equal(y2, y.float())
+    assert real(mod, torch.randn(2, 4, k).bfloat16()) is None  # more rows than pay off: the dequantize path
+    assert real(mod, x.float()) is None  # fp32 activations: the Python kernel path

@@ -4,6 +4,8 @@ Each declines (returns None) outside its domain (non-CPU tensors, more rows than
 unsupported layouts), leaving the reference path: dequantize (natively, fast) + ``F.linear`` (AMX bf16 for many rows)."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
@@ -80,6 +82,60 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
                     int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), w.bits, cpu.i64(n), cpu.i64(k), cpu.i64(gs),
                     cpu.ptr(y))
     return _finish(y, x, n, bias)
+
+
+_LINEAR_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p]
+
+
+def _linear_plan(module) -> tuple | None:
+    """A quantized linear's arguments for ``moeq_rtn_linear_bf16``, built once and reused while its buffers stay
+    the same tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan); None when the
+    weight is outside that kernel's domain."""
+    bias = module.bias
+    key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
+        None if bias is None else (bias.data_ptr(), bias.dtype),)
+    plan = module.__dict__.get("_linear_plan")
+    if plan is not None and plan[0] == key:
+        return plan[1]
+    w = module.qweight
+    args = None
+    if (isinstance(w, RTNWeight) and len(w.shape) == 2 and w.bits in (4, 8)
+            and w.scale.dtype in (torch.bfloat16, torch.float32) and cpu.usable(w.qdata, w.scale, w.zero, bias)
+            and (bias is None or bias.dtype == torch.bfloat16)):
+        n, k = w.shape
+        gs = k if w.group_size == -1 else w.group_size
+        if gs % 32 == 0:
+            args = (n, k, gs, min(MAX_ROWS, rows_limit(w)),
+                    (w.qdata.data_ptr(), w.scale.data_ptr(), int(w.scale.dtype == torch.bfloat16),
+                     None if w.zero is None else w.zero.data_ptr(), w.bits, n, k, gs,
+                     None if bias is None else bias.data_ptr()))
+    module.__dict__["_linear_plan"] = (key, args)
+    return args
+
+
+def rtn_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
+    """A :class:`~moeq.nn.QuantLinear`'s decode path for bf16 activations and 4/8-bit RTN weights: the whole linear
+    (activation layout, gemv, rounding, bias) in one native call, or None outside its domain."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not cpu.has_dpbf16():
+        return None
+    plan = _linear_plan(module)
+    if plan is None or x.shape[-1] != plan[1]:
+        return None
+    n, k, gs, limit, args = plan
+    m = x.numel() // k
+    if not 0 < m <= limit:
+        return None
+    fn = cpu.lib().moeq_rtn_linear_bf16
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _LINEAR_ARGS, ctypes.c_int
+    x = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    scratch = torch.empty(m * k // 2 + m * (k // gs) + m * n)
+    if not fn(x.data_ptr(), m, *args, y.data_ptr(), scratch.data_ptr()):
+        return None
+    return y
 
 
 @register("bnb4")

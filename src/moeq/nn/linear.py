@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from moeq.formats import PackedWeight
-from moeq.kernels import linear
+from moeq.kernels import cpu_ops, linear
 from moeq.nn.packed import get_packed, set_packed
 
 
@@ -29,6 +29,10 @@ class QuantLinear(nn.Module):
             from moeq.kernels import gpu  # noqa: PLC0415
 
             y = gpu.linear_forward(self, x)
+            if y is not None:
+                return y
+        elif x.device.type == "cpu":
+            y = cpu_ops.rtn_linear_bf16(self, x)
             if y is not None:
                 return y
         return linear(self.qweight, x, self.bias)
