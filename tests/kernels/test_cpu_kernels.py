@@ -168,9 +168,10 @@ def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("k,wdtype", [(512, torch.bfloat16), (1280, torch.float32), (2048, torch.bfloat16)])
 def test_bf16_gemv_within_one_rounding_of_exact(cfg, rows, k, wdtype):
-    """bf16 activations: the AVX512-BF16 kernels' products are exact in fp32, so the bf16 output is the exact result
-    rounded once, plus fp32 accumulation error (2^-16 of sum |x w|: the codes' +128 offsets are summed too), far
-    tighter than bf16 matmul noise."""
+    """bf16 activations: the 4-bit AVX512-BF16 kernels' products are exact in fp32 (the 8-bit kernel's int16
+    activations are exact within 2^7 of each group's largest, off by <= 2^-16 of it below), so the bf16 output is
+    the exact result rounded once, plus fp32 accumulation error (2^-16 of sum |x w|: the codes' +128 offsets are
+    summed too), far tighter than bf16 matmul noise."""
     if not cpu_ops.cpu.has_dpbf16():
         pytest.skip("built without AVX512-BF16: the fp32 path (tested above) serves bf16 inputs")
     torch.manual_seed(rows)
@@ -276,3 +277,36 @@ def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
     assert (y2 - ref2).abs().max() <= ref2.abs().max() * 2 ** -7 and not torch.equal(y2, y.float())
     assert real(mod, torch.randn(2, 4, k).bfloat16()) is None  # more rows than pay off: the dequantize path
     assert real(mod, x.float()) is None  # fp32 activations: the Python kernel path
+
+
+def test_rtn8_int16_activations_edge_cases():
+    """The 8-bit kernel's int16 activations: a per-channel group longer than 4096 at the codes' extremes (int32
+    chunks must not overflow), groups spanning 2^20 in magnitude, an all-zero group, and NaN/Inf (NaN out, not
+    garbage)."""
+    if not cpu_ops.cpu.has_dpbf16():
+        pytest.skip("built without AVX512-BF16/VNNI")
+    k = 8192
+    w = torch.ones(64, k)
+    w[:, 1::2] = -1.0  # every code at 0 or 255 (asymmetric grid spans [-1, 1])
+    w[1::2] *= -1
+    q = RTN(8, -1, symmetric=False).quantize(w.bfloat16())
+    x = torch.full((2, k), 3.0e4).bfloat16()  # largest |x q| products in every lane
+    x[1, 1::2] = -3.0e4
+    y = cpu_ops.rtn_gemv(q, x, None, max_rows=cpu_ops.MAX_ROWS)
+    exact = x.double() @ q.dequantize(torch.float32).double().t()
+    assert ((y.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-3 * exact.abs().max()).all()
+
+    q = RTN(8, 128).quantize((torch.randn(96, 512) * 0.05).bfloat16())
+    x = torch.randn(3, 512)
+    x[0, :128] *= torch.logspace(-6, 0, 128)  # one group spanning 2^20
+    x[1, 128:256] = 0
+    x = x.bfloat16()
+    y = cpu_ops.rtn_gemv(q, x, None, max_rows=cpu_ops.MAX_ROWS).double()
+    wd = q.dequantize(torch.float32).double()
+    exact = x.double() @ wd.t()
+    assert ((y - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -14 * (x.double().abs() @ wd.abs().t())).all()
+
+    x[2, 300] = float("nan")
+    x[0, 5] = float("inf")
+    y = cpu_ops.rtn_gemv(q, x, None, max_rows=cpu_ops.MAX_ROWS)
+    assert y[2].isnan().all() and y[0].isnan().all() and y[1].isfinite().all()

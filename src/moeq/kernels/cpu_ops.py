@@ -61,13 +61,14 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     gs = k if w.group_size == -1 else w.group_size
     if x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():  # AVX512-BF16 dot products
         xb = x.reshape(m, k).contiguous()
-        xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         if w.bits == 8:
-            L.moeq_rtn8_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata),
-                                  cpu.ptr(w.scale), int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n),
-                                  cpu.i64(k), cpu.i64(gs), cpu.ptr(y))
+            if not L.moeq_rtn8_gemv_bf16(cpu.ptr(xb), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
+                                         int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n),
+                                         cpu.i64(k), cpu.i64(gs), cpu.ptr(y)):
+                return None
             return _finish(y, x, n, bias)
+        xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
         p64 = gs % 64 == 0
         xb = _perm64(xb) if p64 else xb
         L.moeq_rtn4_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
