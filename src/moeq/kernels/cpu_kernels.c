@@ -1028,6 +1028,57 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
     }
 }
 
+#if defined(__AVX512BF16__)
+// The layer kernel below when every active expert has one row (a batch-1 decode step), x in groups of 64: one
+// parallel region whose loops also spread the glue (activation conversion, SiLU-GLU, the weighted sum, which keeps
+// the serial order per element) over the threads, and the one-row gemv form (rtn4_row1_p64).
+static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                             const i64* pair_tok, const float* pair_w, const i64* expert_start, const i64* act, i64 A,
+                             float* out, float* scratch) {
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
+    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
+    uint16_t* xb = (uint16_t*)scratch;  // the layer kernel's scratch layout, one row per expert used
+    float* xs = scratch + A * 8 * H / 2;
+    float* h = xs + A * 8 * G1;
+    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);
+    float* as = h + A * 8 * I2 + A * 8 * I / 2;
+    float* y = as + A * 8 * G2;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (i64 a = 0; a < A; a++)
+            x_to_bf16(x + pair_tok[expert_start[act[a]]] * H, H, w13->gs, 1, xb + a * 8 * H, xs + a * 8 * G1);
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < A * I2; t++) {
+            const i64 a = t / I2, n = t % I2, e = act[a];
+            h[a * 8 * I2 + n] = rtn4_row1_p64(xb + a * 8 * H, xs + a * 8 * G1, w13->q + e * (I2 * H / 2),
+                                              (const char*)w13->scale + e * I2 * G1 * sb13, w13->scale_bf16,
+                                              w13->zero ? w13->zero + e * I2 * G1 : NULL, n, H, w13->gs);
+        }
+#pragma omp for schedule(static)
+        for (i64 a = 0; a < A; a++) {
+            const float* hr = h + a * 8 * I2;
+            float* t = y + a * 8 * H;  // free until the w2 loop: the fp32 activation row
+            for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
+            x_to_bf16(t, I, w2->gs, 1, ab + a * 8 * I, as + a * 8 * G2);
+        }
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < A * H; t++) {
+            const i64 a = t / H, n = t % H, e = act[a];
+            y[a * 8 * H + n] = rtn4_row1_p64(ab + a * 8 * I, as + a * 8 * G2, w2->q + e * (H * I / 2),
+                                             (const char*)w2->scale + e * H * G2 * sb2, w2->scale_bf16,
+                                             w2->zero ? w2->zero + e * H * G2 : NULL, n, I, w2->gs);
+        }
+#pragma omp for schedule(static)
+        for (i64 k = 0; k < H; k++)
+            for (i64 a = 0; a < A; a++) {
+                const i64 p = expert_start[act[a]];
+                out[pair_tok[p] * H + k] += pair_w[p] * y[a * 8 * H + k];
+            }
+    }
+}
+#endif
+
 // The same layer for 4-bit RTN experts with bf16 activations, parallel across experts: one parallel loop over the
 // rows of every active expert's w13 (SiLU-GLU applied after), one over every active expert's w2 — two fork/joins
 // per layer instead of two per expert, and the threads stream the experts' weights back to back.
@@ -1049,25 +1100,21 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     uint16_t* ab = (uint16_t*)(h + A * 8 * I2);         // [A, 8, I] bf16
     float* as = h + A * 8 * I2 + A * 8 * I / 2;         // [A, 8, G2]
     float* y = as + A * 8 * G2;                         // [A, 8, H]
+    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
+    int one = p13 && p2;  // every active expert has one row (a batch-1 decode step)
+    for (i64 a = 0; a < A; a++) one &= expert_start[act[a] + 1] - expert_start[act[a]] == 1;
+#if defined(__AVX512BF16__)
+    if (one) {
+        moe_rtn4_one_row(w13, w2, x, H, I, pair_tok, pair_w, expert_start, act, A, out, scratch);
+        free(act);
+        return;
+    }
+#endif
     for (i64 a = 0; a < A; a++) {
         const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
         for (i64 r = 0; r < m; r++)
             x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * G1);
     }
-    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
-    int one = p13 && p2;  // every active expert has one row (a batch-1 decode step): rtn4_row1_p64 loops
-    for (i64 a = 0; a < A; a++) one &= expert_start[act[a] + 1] - expert_start[act[a]] == 1;
-#if defined(__AVX512BF16__)
-    if (one) {
-#pragma omp parallel for schedule(static)
-        for (i64 t = 0; t < A * I2; t++) {
-            const i64 a = t / I2, n = t % I2, e = act[a];
-            h[a * 8 * I2 + n] = rtn4_row1_p64(xb + a * 8 * H, xs + a * 8 * G1, w13->q + e * (I2 * H / 2),
-                                              (const char*)w13->scale + e * I2 * G1 * sb13, w13->scale_bf16,
-                                              w13->zero ? w13->zero + e * I2 * G1 : NULL, n, H, w13->gs);
-        }
-    } else
-#endif
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * I2; t++) {
         const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
@@ -1092,17 +1139,6 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * G2);
         }
     }
-#if defined(__AVX512BF16__)
-    if (one) {
-#pragma omp parallel for schedule(static)
-        for (i64 t = 0; t < A * H; t++) {
-            const i64 a = t / H, n = t % H, e = act[a];
-            y[a * 8 * H + n] = rtn4_row1_p64(ab + a * 8 * I, as + a * 8 * G2, w2->q + e * (H * I / 2),
-                                             (const char*)w2->scale + e * H * G2 * sb2, w2->scale_bf16,
-                                             w2->zero ? w2->zero + e * H * G2 : NULL, n, I, w2->gs);
-        }
-    } else
-#endif
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * H; t++) {
         const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
