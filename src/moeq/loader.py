@@ -23,7 +23,7 @@ from moeq.convert import (
 )
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
-from moeq.nn import Activation, QuantExperts, QuantLinear, attention
+from moeq.nn import Activation, QuantExperts, QuantLinear, attention, decode
 from moeq.nn.linear import canonicalize_head_input
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ def _finish(model: nn.Module, unused: list[str], config) -> nn.Module:
     model.requires_grad_(False)
     canonicalize_head_input(model)
     attention.use(model)
+    decode.install(model)
     return model
 
 

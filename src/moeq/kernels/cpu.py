@@ -83,3 +83,25 @@ def i64(v: int) -> ctypes.c_int64:
 def usable(*tensors: torch.Tensor | None) -> bool:
     """The native path takes CPU, contiguous tensors only."""
     return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
+class PlanSlot:
+    """Holds a module's prepared native-call arguments (raw pointers into its buffers). A copy or a pickle of the
+    module gets an empty slot, and rebuilds the plan from its own buffers on first use."""
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __deepcopy__(self, memo) -> "PlanSlot":
+        return PlanSlot()
+
+    def __reduce__(self):
+        return PlanSlot, ()
+
+
+def plan_slot(module, name: str) -> PlanSlot:
+    slot = module.__dict__.get(name)
+    if slot is None:
+        slot = module.__dict__[name] = PlanSlot()
+    return slot

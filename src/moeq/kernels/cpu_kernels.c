@@ -662,6 +662,45 @@ int moeq_rtn_linear_bf16(const uint16_t* x, i64 M, const uint8_t* q, const void*
 #endif
 }
 
+// ---------------------------------------------------------------- decode-step helpers ---------------------------
+// transformers' bf16 RMSNorm: y = w * bf16(x * rsqrt(mean(x^2) + eps)), the mean and the product in fp32, the
+// normalized value rounded to bf16 before the (rounded) product with the weight. x, w, y bf16 bits; rows of n.
+void moeq_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, i64 rows, i64 n, float eps, uint16_t* y) {
+    for (i64 r = 0; r < rows; r++) {
+        const uint16_t* xr = x + r * n;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (i64 k = 0; k < n; k++) ss += bf2f(xr[k]) * bf2f(xr[k]);
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+        uint16_t* yr = y + r * n;
+        for (i64 k = 0; k < n; k++) yr[k] = f2bf(bf2f(w[k]) * bf2f(f2bf(bf2f(xr[k]) * inv)));
+    }
+}
+
+// y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
+// routers (a few hundred KB of weight), where torch's CPU bf16 gemv costs ~45 us. K % 32 == 0; returns 0 (nothing
+// written) otherwise or without AVX512-BF16.
+int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
+#if defined(__AVX512BF16__)
+    if (K % 32) return 0;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+    for (i64 n = 0; n < N; n++) {
+        const uint16_t* wn = w + n * K;
+        for (i64 m = 0; m < M; m++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (i64 k = 0; k < K; k += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wn + k),
+                                       (__m512bh)_mm512_loadu_si512(x + m * K + k));
+            y[m * N + n] = f2bf(_mm512_reduce_add_ps(acc));
+        }
+    }
+    return 1;
+#else
+    (void)x; (void)M; (void)w; (void)N; (void)K; (void)y;
+    return 0;
+#endif
+}
+
 // ---------------------------------------------------------------- bnb4 ------------------------------------------
 // Whole blocks only (n % bs == 0): absmax = max|x|, scaled = clamp(x * (1/absmax), -1, 1), code = number of sorted
 // midpoints strictly below (ties to the lower code), remapped by `order` (FP4); even element -> HIGH nibble.

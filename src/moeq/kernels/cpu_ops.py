@@ -97,9 +97,9 @@ def _linear_plan(module) -> tuple | None:
     bias = module.bias
     key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
         None if bias is None else (bias.data_ptr(), bias.dtype),)
-    plan = module.__dict__.get("_linear_plan")
-    if plan is not None and plan[0] == key:
-        return plan[1]
+    slot = cpu.plan_slot(module, "_linear_plan")
+    if slot.value is not None and slot.value[0] == key:
+        return slot.value[1]
     w = module.qweight
     args = None
     if (isinstance(w, RTNWeight) and len(w.shape) == 2 and w.bits in (4, 8)
@@ -112,7 +112,7 @@ def _linear_plan(module) -> tuple | None:
                     (w.qdata.data_ptr(), w.scale.data_ptr(), int(w.scale.dtype == torch.bfloat16),
                      None if w.zero is None else w.zero.data_ptr(), w.bits, n, k, gs,
                      None if bias is None else bias.data_ptr()))
-    module.__dict__["_linear_plan"] = (key, args)
+    slot.value = (key, args)
     return args
 
 

@@ -99,12 +99,12 @@ def _plan(module, dot: bool) -> tuple[WStack, WStack] | None:
     """The module's two stacks described for the kernel, built once and reused while its buffers stay the same
     tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan)."""
     key = (dot, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
-    plan = module.__dict__.get("_moe_plan")
+    slot = cpu.plan_slot(module, "_moe_plan")
+    plan = slot.value
     if plan is None or plan[0] != key:
         keep: list = []
         stacks = _stack(module.w13, keep, dot), _stack(module.w2, keep, dot)
-        plan = (key, None if None in stacks else stacks, keep)
-        module.__dict__["_moe_plan"] = plan
+        plan = slot.value = (key, None if None in stacks else stacks, keep)
     return plan[1]
 
 

@@ -1,0 +1,106 @@
+"""Native decode forwards for RMSNorms and softmax top-k routers (moeq.nn.decode): installed only where they
+reproduce the module's own forward, equal to it within one bf16 rounding, the module's own forward outside their
+domain, and the same generated tokens end to end."""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import moeq
+from moeq.kernels import cpu
+from moeq.nn import decode
+
+pytestmark = pytest.mark.skipif(not cpu.has_dpbf16(), reason="native decode forwards need AVX512-BF16")
+
+
+def _installed(model):
+    return [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
+def _own(model):
+    for m in model.modules():
+        m.__dict__.pop("forward", None)
+
+
+@pytest.mark.parametrize("arch,routers", [("qwen3_moe", True), ("mixtral", True), ("olmoe", True),
+                                          ("qwen2_moe", True), ("llama", False)])
+def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers):
+    m = moeq.load(tiny_ckpt(arch), quant="rtn-int4", progress=False)
+    names = _installed(m)
+    norms = [n for n, mod in m.named_modules() if type(mod).__name__.endswith("RMSNorm")]
+    assert set(norms) <= set(names) and norms
+    assert any("gate" in n or "router" in n for n in names) == routers
+    g = torch.Generator().manual_seed(1)
+    for name in names:
+        mod = m.get_submodule(name)
+        n = mod.weight.shape[-1]
+        for shape in [(1, 1, n), (3, 1, n), (2, 5, n)]:
+            x = (torch.randn(*shape, generator=g) * 2).bfloat16()
+            got, ref = mod(x), type(mod).forward(mod, x)
+            for a, b in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                if a.dtype == torch.int64:
+                    assert torch.equal(a, b), name
+                else:
+                    assert ((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs() + 1e-6).all(), name
+        big = torch.randn(2, decode.MAX_ROWS, n, generator=g).bfloat16()  # over MAX_ROWS: the module's own forward
+        out, ref = mod(big), type(mod).forward(mod, big)
+        assert all(torch.equal(a, b) for a, b in zip(out if isinstance(out, tuple) else (out,),
+                                                     ref if isinstance(ref, tuple) else (ref,)))
+
+
+def test_generate_unchanged_and_deepcopy_rebinds(tiny_ckpt):
+    """Also: a model copied or pickled after decoding (native plans cached on its modules) still works."""
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
+    assert _installed(m)
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    fast = m.generate(ids, **kw)
+    c = copy.deepcopy(m)
+    norm = c.model.norm
+    assert norm.forward.__self__ is norm  # bound to the copy, not to the original
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    p = torch.load(buf, weights_only=False)
+    _own(m)
+    assert torch.equal(fast, m.generate(ids, **kw))
+    assert torch.equal(fast, c.generate(ids, **kw))
+    assert torch.equal(fast, p.generate(ids, **kw))
+
+
+class GemmaStyleRMSNorm(nn.Module):  # (1 + weight): a variant the native forward does not compute
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n).bfloat16())
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (1.0 + self.weight.float()) * h.to(x.dtype)
+
+
+class SigmoidTopKRouter(nn.Module):  # sigmoid scoring: no softmax variant reproduces it
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.hidden_dim = 2, 64
+        self.weight = nn.Parameter(torch.randn(8, 64).bfloat16())
+
+    def forward(self, h):
+        logits = nn.functional.linear(h.reshape(-1, 64), self.weight)
+        v, i = torch.topk(torch.sigmoid(logits.float()), 2, dim=-1)
+        return logits, v, i
+
+
+def test_variants_keep_their_own_forward():
+    model = nn.Sequential(GemmaStyleRMSNorm(64), SigmoidTopKRouter(), nn.Linear(64, 64).bfloat16())
+    assert decode.install(model) == {"rms_norm": 0, "router": 0}
+    assert not _installed(model)
+
+
+def test_fp32_modules_left_alone(tiny_ckpt):
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int8", dtype=torch.float32, progress=False)
+    assert not _installed(m)
