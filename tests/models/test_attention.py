@@ -36,6 +36,35 @@ def test_decode_attention_matches_sdpa(hq, hkv, mask):
         assert not torch.allclose(free[1], ours[1], atol=1e-3)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (4, 4, 64), (6, 1, 16)])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_native_bf16_decode_attention(hq, hkv, d, mask):
+    """bf16 decode steps run natively over the cache as it is: equal to the fp32 torch path within one bf16 rounding;
+    per-head masks keep the torch path."""
+    from moeq.kernels import cpu
+
+    if not cpu.has_dpbf16():
+        pytest.skip("needs the AVX512-BF16 build")
+    torch.manual_seed(hq * d)
+    b, s = 3, 23
+    q, k, v = (torch.randn(b, hq, 1, d) * 2).bfloat16(), torch.randn(b, hkv, s, d).bfloat16(), torch.randn(b, hkv, s, d).bfloat16()
+    m = None
+    if mask is not None:
+        keep = torch.ones(b, 1, 1, s, dtype=torch.bool)
+        keep[1, ..., :6] = False
+        keep[2, ..., 4] = False
+        m = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    mod = _Mod(hq // hkv)
+    native = attention._native(q, k, v, m, 0.25)
+    assert native is not None and native.dtype == torch.bfloat16 and native.shape == (b, 1, hq, d)
+    ours, _ = attention.attention_forward(mod, q, k, v, m, scaling=0.25)
+    assert torch.equal(ours, native)
+    ref, _ = attention.attention_forward(mod, q.float(), k.float(), v.float(), m, scaling=0.25)  # fp32 torch path
+    assert ((native.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * ref.abs().max()).all()
+    if m is not None:
+        assert attention._native(q, k, v, m.expand(b, hq, 1, s), 0.25) is None  # per-head mask: torch path
+
+
 def test_prefill_and_unusual_inputs_take_sdpa(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(k) or ("sdpa", None))

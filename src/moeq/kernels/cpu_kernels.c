@@ -677,6 +677,51 @@ void moeq_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, i64 rows, i64 n, fl
     }
 }
 
+// One query token of grouped-query attention over a bf16 KV cache, in fp32 (a product of two bf16 values is exact in
+// fp32): out[b, h] = softmax(scale q[b, h] . K[b, h / g] + mask[b]) V[b, h / g], g = Hq / Hkv. q [B, Hq, D],
+// k/v [B, Hkv, S, D], mask additive fp32 [B, S] or NULL, out [B, Hq, D] bf16. A row masked everywhere gives NaN,
+// as softmax does.
+void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* mask, i64 B, i64 Hq,
+                           i64 Hkv, i64 S, i64 D, float scale, uint16_t* out) {
+    const i64 g = Hq / Hkv;
+#pragma omp parallel
+    {
+        float* p = (float*)malloc((size_t)(S + 2 * D) * sizeof(float));
+        float* qf = p + S;
+        float* acc = qf + D;
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < B * Hq; t++) {
+            const i64 b = t / Hq, kh = (t % Hq) / g;
+            const uint16_t* kb = k + (b * Hkv + kh) * S * D;
+            const uint16_t* vb = v + (b * Hkv + kh) * S * D;
+            for (i64 d = 0; d < D; d++) qf[d] = bf2f(q[t * D + d]);
+            float mx = -INFINITY;
+            for (i64 s = 0; s < S; s++) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (i64 d = 0; d < D; d++) dot += qf[d] * bf2f(kb[s * D + d]);
+                const float sc = dot * scale + (mask ? mask[b * S + s] : 0.f);
+                p[s] = sc;
+                mx = sc > mx ? sc : mx;
+            }
+            float sum = 0.f;
+            for (i64 s = 0; s < S; s++) {
+                p[s] = expf(p[s] - mx);
+                sum += p[s];
+            }
+            for (i64 d = 0; d < D; d++) acc[d] = 0.f;
+            for (i64 s = 0; s < S; s++) {
+                const float ps = p[s];
+#pragma omp simd
+                for (i64 d = 0; d < D; d++) acc[d] += ps * bf2f(vb[s * D + d]);
+            }
+            const float inv = 1.f / sum;
+            for (i64 d = 0; d < D; d++) out[t * D + d] = f2bf(acc[d] * inv);
+        }
+        free(p);
+    }
+}
+
 // y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
 // routers (a few hundred KB of weight), where torch's CPU bf16 gemv costs ~45 us. K % 32 == 0; returns 0 (nothing
 // written) otherwise or without AVX512-BF16.
