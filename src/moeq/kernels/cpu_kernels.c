@@ -554,8 +554,14 @@ static inline __attribute__((always_inline)) void rtn8_row_i16(
     const int16_t* xq, const float* sx, const float* xs, const i64 M, const uint8_t* q, const void* scale,
     int scale_bf16, const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
     const i64 G = K / gs;
-    float sf[G + 16];
+    float sf[G + 16], sfx[M * G + 16];
     row_scales(scale, scale_bf16, zero, 128.f, 0.f, xs, M, n, G, sf, zt);
+    for (i64 m = 0; m < M; m++)  // the group scales times each x row's: one broadcast operand per (row, group)
+        for (i64 g = 0; g < G; g += 16) {
+            const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            _mm512_mask_storeu_ps(sfx + m * G + g, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sf + g),
+                                                                    _mm512_maskz_loadu_ps(k, sx + m * G + g)));
+        }
     __m512 acc[8];
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const uint8_t* qn = q + n * K;
@@ -569,7 +575,7 @@ static inline __attribute__((always_inline)) void rtn8_row_i16(
                 for (i64 m = 0; m < M; m++) v[m] = _mm512_dpwssd_epi32(v[m], w, _mm512_loadu_si512(xq + m * K + j));
             }
             for (i64 m = 0; m < M; m++)
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[m]), _mm512_set1_ps(sf[g] * sx[m * G + g]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[m]), _mm512_set1_ps(sfx[m * G + g]), acc[m]);
         }
     }
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
@@ -587,12 +593,19 @@ int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void*
     float* sx = (float*)(xq + M * K + 32);
     float* xs = sx + M * G;
     for (i64 r = 0; r < M; r++) x_to_i16(xb + r * K, K, gs, xq + r * K, sx + r * G, xs + r * G);
-    if (M == 1) {  // decode's common case in a loop of its own, as for the 4-bit kernel
-#pragma omp parallel for schedule(static)
-        for (i64 n = 0; n < N; n++) {
-            float o, z = 0.f;
-            rtn8_row_i16(xq, sx, xs, 1, q, scale, scale_bf16, zero, n, K, gs, &o, &z);
-            y[n] = o - z;
+    if (M <= 8) {  // decode's sizes: one parallel loop per row count, M a constant inside (faster than per row)
+        switch (M) {
+#define R8_LOOP(c)                                                                                  \
+    case c: {                                                                                       \
+        _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++) {                  \
+            float o[c], z[c];                                                                       \
+            for (int m = 0; m < c; m++) z[m] = 0.f;                                                 \
+            rtn8_row_i16(xq, sx, xs, c, q, scale, scale_bf16, zero, n, K, gs, o, z);                \
+            for (int m = 0; m < c; m++) y[m * N + n] = o[m] - z[m];                                 \
+        }                                                                                           \
+    } break;
+            R8_LOOP(1) R8_LOOP(2) R8_LOOP(3) R8_LOOP(4) R8_LOOP(5) R8_LOOP(6) R8_LOOP(7) R8_LOOP(8)
+#undef R8_LOOP
         }
     } else {
 #pragma omp parallel for schedule(static)
