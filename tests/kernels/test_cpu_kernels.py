@@ -244,13 +244,14 @@ def test_products_written_in_place_equal_fresh(cfg):
     assert torch.equal(Activation().glu_(h.clone(), 32), expect)
 
 
-@pytest.mark.parametrize("cfg", [RTN(4, 128), RTN(4, 32, symmetric=False), RTN(8, 64, symmetric=False), RTN(8, 128)],
+@pytest.mark.parametrize("cfg", [RTN(4, 128), RTN(4, 32, symmetric=False), RTN(8, 64, symmetric=False), RTN(8, 128),
+                                 BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, False)],
                          ids=lambda c: c.label())
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 2)])  # (batch, tokens): [B, T, K] inputs
 @pytest.mark.parametrize("bias", [False, True])
 def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
-    """bf16 QuantLinear at decode sizes runs as one native call (layout, gemv, rounding, bias): equal to the Python
-    kernel path within one bf16 rounding, also on a strided [B, 1, K] view; a new weight rebuilds the plan."""
+    """bf16 QuantLinear at decode sizes (RTN, NF4/FP4) runs as one native call (layout, gemv, rounding, bias): equal
+    to the Python kernel path within one bf16 rounding, also on a strided [B, 1, K] view; a new weight rebuilds the plan."""
     from moeq.kernels import cpu
     from moeq.nn import QuantLinear
     from moeq.nn.packed import set_packed
@@ -263,8 +264,8 @@ def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
     full = torch.randn(shape[0], shape[1] + 3, k).bfloat16()
     x = full[:, -shape[1]:, :]  # a view with the whole prompt's batch stride, as transformers feeds the head
     taken = []
-    real = cpu_ops.rtn_linear_bf16
-    monkeypatch.setattr(cpu_ops, "rtn_linear_bf16", lambda *a: taken.append(1) or real(*a))
+    real = cpu_ops.quant_linear_bf16
+    monkeypatch.setattr(cpu_ops, "quant_linear_bf16", lambda *a: taken.append(1) or real(*a))
     y = mod(x)
     assert taken and real(mod, x) is not None and y.shape == (*shape, n) and y.dtype == torch.bfloat16
     ref = linear(mod.qweight, x.contiguous(), mod.bias).float()

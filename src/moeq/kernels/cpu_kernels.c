@@ -632,49 +632,6 @@ int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void*
 #endif
 }
 
-// A whole decode-path linear with bf16 activations in one call, for 4/8-bit RTN: x [M, K] bf16 in natural order is
-// permuted for the 4-bit kernel when gs % 64 == 0 and summed per group here (the 8-bit kernel takes it as it is), the
-// gemv runs, and y [M, N] bf16 = bf16(bf16(x W^T) + bias) as the Python path computes it (rounded, then bias added
-// in bf16). Saves the ~30 us of torch glue per call that the Python path spends around the same kernel.
-// scratch (floats): M*K/2 + M*(K/gs) + M*N. Returns 0 (nothing written) without AVX512-BF16 or for gs % 32 != 0.
-int moeq_rtn_linear_bf16(const uint16_t* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
-                         const uint8_t* zero, int bits, i64 N, i64 K, i64 gs, const uint16_t* bias, uint16_t* y,
-                         float* scratch) {
-#if defined(__AVX512BF16__)
-    if (gs % 32 || (bits != 4 && bits != 8)) return 0;
-    const i64 G = K / gs;
-    const int perm64 = bits == 4 && gs % 64 == 0;
-    uint16_t* xb = (uint16_t*)scratch;
-    float* xs = scratch + M * K / 2;
-    float* yf = xs + M * G;
-    if (bits == 8) {
-        if (!moeq_rtn8_gemv_bf16(x, M, q, scale, scale_bf16, zero, N, K, gs, yf)) return 0;
-    } else {
-        for (i64 r = 0; r < M; r++)
-            for (i64 g = 0; g < G; g++) {
-                float sum = 0.f;
-                for (i64 k = g * gs; k < (g + 1) * gs; k++) {
-                    const uint16_t h = x[r * K + k];
-                    xb[r * K + (perm64 ? (k & ~(i64)63) + (k & 1) * 32 + ((k & 63) >> 1) : k)] = h;
-                    sum += bf2f(h);
-                }
-                xs[r * G + g] = sum;
-            }
-        moeq_rtn4_gemv_bf16(xb, xs, M, q, scale, scale_bf16, zero, N, K, gs, yf, perm64);
-    }
-#pragma omp parallel for schedule(static) if (M * N >= 65536)
-    for (i64 i = 0; i < M * N; i++) {
-        const uint16_t h = f2bf(yf[i]);
-        y[i] = bias ? f2bf(bf2f(h) + bf2f(bias[i % N])) : h;
-    }
-    return 1;
-#else
-    (void)x; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)zero; (void)bits; (void)N; (void)K; (void)gs;
-    (void)bias; (void)y; (void)scratch;
-    return 0;
-#endif
-}
-
 // ---------------------------------------------------------------- decode-step helpers ---------------------------
 // transformers' bf16 RMSNorm: y = w * bf16(x * rsqrt(mean(x^2) + eps)), the mean and the product in fp32, the
 // normalized value rounded to bf16 before the (rounded) product with the weight. x, w, y bf16 bits; rows of n.
@@ -1018,6 +975,16 @@ typedef struct {
     i64 N, K;                    // one expert's weight shape
 } moeq_wstack;
 
+static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    uint16_t* xb = (uint16_t*)scratch;
+    for (i64 r = 0; r < m; r++)
+        for (i64 k = 0; k < K; k++) xb[r * K + k] = f2bf(x[r * K + k]);
+    const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+    return moeq_rtn8_gemv_bf16(xb, m, w->q + e * (N * K), sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, N, K,
+                               w->gs, y);
+}
+
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
@@ -1030,14 +997,8 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
         const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
         moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
                             w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
-    } else if (w->fmt == 0 && w->bits == 8 && w->dot_bf16) {
-        const i64 G = K / w->gs;
-        uint16_t* xb = (uint16_t*)scratch;
-        float* xs = scratch + m * K;
-        for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 0, xb + r * K, xs + r * G);
-        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
-        moeq_rtn8_gemv_bf16(xb, m, w->q + e * (N * K), sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, N, K,
-                            w->gs, y);
+    } else if (w->fmt == 0 && w->bits == 8 && w->dot_bf16 && rtn8_bf16(w, e, x, m, y, scratch)) {
+        return;
     } else if (w->fmt == 0) {
         const i64 G = K / w->gs;
         float* xe = scratch;
@@ -1094,6 +1055,25 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
                 }
         }
         moeq_bnb4_gemv(xe, xo, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y);
+    }
+}
+
+// A whole decode-path linear in one call for bf16 activations: y [M, N] bf16 = bf16(bf16(x W^T) + bias) as the Python
+// path computes it (rounded, then the bias added in bf16), W described like one expert (RTN 4/8-bit or NF4/FP4,
+// double quant included). Saves the ~30 us of torch glue per call the Python path spends around the same kernels.
+// scratch (floats): M*K + expert_gemv's + M*N.
+void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
+                            float* scratch) {
+    const i64 N = w->N, K = w->K;
+    float* xf = scratch;
+    float* yf = xf + M * K;
+    float* sc = yf + M * N;
+    for (i64 i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
+    expert_gemv(w, 0, xf, M, yf, sc);
+#pragma omp parallel for schedule(static) if (M * N >= 65536)
+    for (i64 i = 0; i < M * N; i++) {
+        const uint16_t h = f2bf(yf[i]);
+        y[i] = bias ? f2bf(bf2f(h) + bf2f(bias[i % N])) : h;
     }
 }
 

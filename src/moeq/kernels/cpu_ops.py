@@ -10,6 +10,7 @@ import torch
 
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq.kernels import cpu, register
+from moeq.kernels.moe_cpu import describe
 
 MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
 # Measured crossover vs dequantize + AMX bf16 matmul (benchmarks in README): the gemv costs ~linear in rows, the
@@ -85,57 +86,45 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     return _finish(y, x, n, bias)
 
 
-_LINEAR_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_void_p]
-
-
 def _linear_plan(module) -> tuple | None:
-    """A quantized linear's arguments for ``moeq_rtn_linear_bf16``, built once and reused while its buffers stay
-    the same tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan); None when the
-    weight is outside that kernel's domain."""
+    """A quantized linear's weight described for ``moeq_quant_linear_bf16`` (and its scratch size), built once and
+    reused while its buffers stay the same tensors (``.to()``, reloading or re-quantizing replaces them and so
+    rebuilds the plan); None when the weight is outside the native formats."""
     bias = module.bias
     key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
         None if bias is None else (bias.data_ptr(), bias.dtype),)
     slot = cpu.plan_slot(module, "_linear_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
-    w = module.qweight
-    args = None
-    if (isinstance(w, RTNWeight) and len(w.shape) == 2 and w.bits in (4, 8)
-            and w.scale.dtype in (torch.bfloat16, torch.float32) and cpu.usable(w.qdata, w.scale, w.zero, bias)
-            and (bias is None or bias.dtype == torch.bfloat16)):
+    w, keep = module.qweight, []
+    stack = describe(w, keep, dot_bf16=True) if len(w.shape) == 2 else None
+    plan = None
+    if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and cpu.usable(bias))):
         n, k = w.shape
-        gs = k if w.group_size == -1 else w.group_size
-        if gs % 32 == 0:
-            args = (n, k, gs, min(MAX_ROWS, rows_limit(w)),
-                    (w.qdata.data_ptr(), w.scale.data_ptr(), int(w.scale.dtype == torch.bfloat16),
-                     None if w.zero is None else w.zero.data_ptr(), w.bits, n, k, gs,
-                     None if bias is None else bias.data_ptr()))
-    slot.value = (key, args)
-    return args
+        extra = n * k // stack.gs if stack.fmt == 1 else 0  # NF4/FP4: the block scales, resolved per call
+        plan = (stack, keep, n, k, min(MAX_ROWS, rows_limit(w)), 2 * k + k // 16 + 1, extra)
+    slot.value = (key, plan)
+    return plan
 
 
-def rtn_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
-    """A :class:`~moeq.nn.QuantLinear`'s decode path for bf16 activations and 4/8-bit RTN weights: the whole linear
+def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
+    """A :class:`~moeq.nn.QuantLinear`'s decode path for bf16 activations (RTN 4/8-bit, NF4/FP4): the whole linear
     (activation layout, gemv, rounding, bias) in one native call, or None outside its domain."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not cpu.has_dpbf16():
         return None
     plan = _linear_plan(module)
-    if plan is None or x.shape[-1] != plan[1]:
+    if plan is None or x.shape[-1] != plan[3]:
         return None
-    n, k, gs, limit, args = plan
+    stack, _, n, k, limit, per_row, extra = plan
     m = x.numel() // k
     if not 0 < m <= limit:
         return None
-    fn = cpu.lib().moeq_rtn_linear_bf16
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _LINEAR_ARGS, ctypes.c_int
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    scratch = torch.empty(m * k // 2 + m * (k // gs) + m * n)
-    if not fn(x.data_ptr(), m, *args, y.data_ptr(), scratch.data_ptr()):
-        return None
+    scratch = torch.empty(m * (k + n + per_row) + extra + 64)
+    bias = module.bias
+    cpu.lib().moeq_quant_linear_bf16(ctypes.byref(stack), cpu.ptr(x), cpu.i64(m), cpu.ptr(bias), cpu.ptr(y),
+                                     cpu.ptr(scratch))
     return y
 
 

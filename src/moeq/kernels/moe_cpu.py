@@ -20,10 +20,14 @@ class WStack(ctypes.Structure):
                 ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
 
 
-def _stack(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
-    """Describe an expert stack ``[E, N, K]`` for the kernel (``keep`` holds the tensors alive). ``dot_bf16``: the
-    model computes in bf16, so RTN 4/8-bit and NF4/FP4 may take activations as bf16 (AVX512-BF16 dot products)."""
-    e, n, k = w.shape
+def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
+    """Describe an expert stack ``[E, N, K]`` (or one weight ``[N, K]``) for the native kernels, or None outside their
+    formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
+    may take activations as bf16 (AVX512-BF16 dot products)."""
+    if len(w.shape) not in (2, 3):
+        return None
+    e = w.shape[0] if len(w.shape) == 3 else 1
+    n, k = w.shape[-2:]
     if isinstance(w, RTNWeight):
         gs = k if w.group_size == -1 else w.group_size
         if w.bits not in (4, 8) or gs % 32 or w.scale.dtype not in (torch.bfloat16, torch.float32):
@@ -59,7 +63,7 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
         return None
     keep: list = []
     dot = x.dtype == torch.bfloat16 and cpu.has_dpbf16()
-    s13, s2 = _stack(w13, keep, dot), _stack(w2, keep, dot)
+    s13, s2 = describe(w13, keep, dot), describe(w2, keep, dot)
     if s13 is None or s2 is None:
         return None
     e, two_i, h = w13.shape
@@ -103,7 +107,7 @@ def _plan(module, dot: bool) -> tuple[WStack, WStack] | None:
     plan = slot.value
     if plan is None or plan[0] != key:
         keep: list = []
-        stacks = _stack(module.w13, keep, dot), _stack(module.w2, keep, dot)
+        stacks = describe(module.w13, keep, dot), describe(module.w2, keep, dot)
         plan = slot.value = (key, None if None in stacks else stacks, keep)
     return plan[1]
 

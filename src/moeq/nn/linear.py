@@ -32,7 +32,7 @@ class QuantLinear(nn.Module):
             if y is not None:
                 return y
         elif x.device.type == "cpu":
-            y = cpu_ops.rtn_linear_bf16(self, x)
+            y = cpu_ops.quant_linear_bf16(self, x)
             if y is not None:
                 return y
         return linear(self.qweight, x, self.bias)
