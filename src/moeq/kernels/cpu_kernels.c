@@ -1106,6 +1106,20 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
 }
 
 #if defined(__AVX512BF16__)
+// Inside a parallel region: y[a, 8, N] row 0 = W[act[a]] x[a] for every active expert a (one x row each, K in
+// groups of 64, x in x_to_bf16's layout at [a, 8, K]), the rows of all experts shared out over the threads.
+static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, const uint16_t* xb, const float* xs, i64 K,
+                                i64 N, float* y) {
+    const i64 G = K / w->gs, sb = w->scale_bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+    for (i64 t = 0; t < A * N; t++) {
+        const i64 a = t / N, n = t % N, e = act[a];
+        y[a * 8 * N + n] = rtn4_row1_p64(xb + a * 8 * K, xs + a * 8 * G, w->q + e * (N * K / 2),
+                                         (const char*)w->scale + e * N * G * sb, w->scale_bf16,
+                                         w->zero ? w->zero + e * N * G : NULL, n, K, w->gs);
+    }
+}
+
 // The layer kernel below when every active expert has one row (a batch-1 decode step), x in groups of 64: one
 // parallel region whose loops also spread the glue (activation conversion, SiLU-GLU, the weighted sum, which keeps
 // the serial order per element) over the threads, and the one-row gemv form (rtn4_row1_p64).
@@ -1113,7 +1127,6 @@ static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, cons
                              const i64* pair_tok, const float* pair_w, const i64* expert_start, const i64* act, i64 A,
                              float* out, float* scratch) {
     const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
-    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
     uint16_t* xb = (uint16_t*)scratch;  // the layer kernel's scratch layout, one row per expert used
     float* xs = scratch + A * 8 * H / 2;
     float* h = xs + A * 8 * G1;
@@ -1125,13 +1138,7 @@ static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, cons
 #pragma omp for schedule(static)
         for (i64 a = 0; a < A; a++)
             x_to_bf16(x + pair_tok[expert_start[act[a]]] * H, H, w13->gs, 1, xb + a * 8 * H, xs + a * 8 * G1);
-#pragma omp for schedule(static)
-        for (i64 t = 0; t < A * I2; t++) {
-            const i64 a = t / I2, n = t % I2, e = act[a];
-            h[a * 8 * I2 + n] = rtn4_row1_p64(xb + a * 8 * H, xs + a * 8 * G1, w13->q + e * (I2 * H / 2),
-                                              (const char*)w13->scale + e * I2 * G1 * sb13, w13->scale_bf16,
-                                              w13->zero ? w13->zero + e * I2 * G1 : NULL, n, H, w13->gs);
-        }
+        one_row_pass(w13, act, A, xb, xs, H, I2, h);
 #pragma omp for schedule(static)
         for (i64 a = 0; a < A; a++) {
             const float* hr = h + a * 8 * I2;
@@ -1139,13 +1146,7 @@ static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, cons
             for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
             x_to_bf16(t, I, w2->gs, 1, ab + a * 8 * I, as + a * 8 * G2);
         }
-#pragma omp for schedule(static)
-        for (i64 t = 0; t < A * H; t++) {
-            const i64 a = t / H, n = t % H, e = act[a];
-            y[a * 8 * H + n] = rtn4_row1_p64(ab + a * 8 * I, as + a * 8 * G2, w2->q + e * (H * I / 2),
-                                             (const char*)w2->scale + e * H * G2 * sb2, w2->scale_bf16,
-                                             w2->zero ? w2->zero + e * H * G2 : NULL, n, I, w2->gs);
-        }
+        one_row_pass(w2, act, A, ab, as, I, H, y);
 #pragma omp for schedule(static)
         for (i64 k = 0; k < H; k++)
             for (i64 a = 0; a < A; a++) {
