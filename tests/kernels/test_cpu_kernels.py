@@ -251,7 +251,8 @@ def test_products_written_in_place_equal_fresh(cfg):
 @pytest.mark.parametrize("bias", [False, True])
 def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
     """bf16 QuantLinear at decode sizes (RTN, NF4/FP4) runs as one native call (layout, gemv, rounding, bias): equal
-    to the Python kernel path within one bf16 rounding, also on a strided [B, 1, K] view; a new weight rebuilds the plan."""
+    to the Python kernel path within one bf16 rounding, also on a strided [B, 1, K] view; a new weight rebuilds the
+    plan."""
     from moeq.kernels import cpu
     from moeq.nn import QuantLinear
     from moeq.nn.packed import set_packed

@@ -47,7 +47,8 @@ def test_native_bf16_decode_attention(hq, hkv, d, mask):
         pytest.skip("needs the AVX512-BF16 build")
     torch.manual_seed(hq * d)
     b, s = 3, 23
-    q, k, v = (torch.randn(b, hq, 1, d) * 2).bfloat16(), torch.randn(b, hkv, s, d).bfloat16(), torch.randn(b, hkv, s, d).bfloat16()
+    q = (torch.randn(b, hq, 1, d) * 2).bfloat16()
+    k, v = torch.randn(b, hkv, s, d).bfloat16(), torch.randn(b, hkv, s, d).bfloat16()
     m = None
     if mask is not None:
         keep = torch.ones(b, 1, 1, s, dtype=torch.bool)

@@ -32,8 +32,12 @@ def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers):
     norms = [n for n, mod in m.named_modules() if type(mod).__name__.endswith("RMSNorm")]
     assert set(norms) <= set(names) and norms
     assert any("gate" in n or "router" in n for n in names) == routers
+    attn = [n for n in names if n.endswith("self_attn")]
+    assert len(attn) == m.config.num_hidden_layers  # Llama-style attention: all of them (compared in generate below)
     g = torch.Generator().manual_seed(1)
     for name in names:
+        if name in attn:
+            continue
         mod = m.get_submodule(name)
         n = mod.weight.shape[-1]
         for shape in [(1, 1, n), (3, 1, n), (2, 5, n)]:
@@ -51,8 +55,26 @@ def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers):
                                                      ref if isinstance(ref, tuple) else (ref,)))
 
 
-def test_generate_unchanged_and_deepcopy_rebinds(tiny_ckpt):
-    """Also: a model copied or pickled after decoding (native plans cached on its modules) still works."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "llama"])
+def test_generate_unchanged(tiny_ckpt, arch):
+    """Greedy tokens and per-step logits with the native forwards equal the modules' own, also for a left-padded
+    batch (the attention mask reaches the native attention)."""
+    m = moeq.load(tiny_ckpt(arch), quant="rtn-int4", progress=False)
+    ids = torch.randint(3, 100, (3, 7), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    fast = m.generate(ids, **kw)
+    _own(m)
+    ref = m.generate(ids, **kw)
+    assert torch.equal(fast.sequences, ref.sequences)
+    for a, b in zip(fast.logits, ref.logits):
+        assert torch.allclose(a, b, atol=2e-2 * b.abs().max(), rtol=0)
+
+
+def test_copies_and_pickles_rebind(tiny_ckpt):
+    """A model copied or pickled after decoding (native plans cached on its modules) still works."""
     m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
     assert _installed(m)
     ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -69,6 +91,14 @@ def test_generate_unchanged_and_deepcopy_rebinds(tiny_ckpt):
     assert torch.equal(fast, m.generate(ids, **kw))
     assert torch.equal(fast, c.generate(ids, **kw))
     assert torch.equal(fast, p.generate(ids, **kw))
+
+
+class ClippedAttention(nn.Module):  # OLMoE-style clip_qkv: not a variant the native forward computes
+    def __init__(self):
+        super().__init__()
+        self.q_proj = self.k_proj = self.v_proj = self.o_proj = nn.Linear(64, 64).bfloat16()
+        self.head_dim, self.layer_idx = 16, 0
+        self.config = type("C", (), {"clip_qkv": 8.0})()
 
 
 class GemmaStyleRMSNorm(nn.Module):  # (1 + weight): a variant the native forward does not compute
@@ -96,8 +126,8 @@ class SigmoidTopKRouter(nn.Module):  # sigmoid scoring: no softmax variant repro
 
 
 def test_variants_keep_their_own_forward():
-    model = nn.Sequential(GemmaStyleRMSNorm(64), SigmoidTopKRouter(), nn.Linear(64, 64).bfloat16())
-    assert decode.install(model) == {"rms_norm": 0, "router": 0}
+    model = nn.Sequential(GemmaStyleRMSNorm(64), SigmoidTopKRouter(), ClippedAttention())
+    assert decode.install(model) == {"rms_norm": 0, "router": 0, "attention": 0}
     assert not _installed(model)
 
 

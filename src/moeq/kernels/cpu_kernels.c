@@ -692,6 +692,22 @@ void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
     }
 }
 
+// RoPE for one token, in place: x [B, H, D] bf16 becomes x cos + rotate_half(x) sin with cos/sin [B, D] bf16,
+// rotate_half(x) = (-x[D/2:], x[:D/2]); each product and the sum rounded to bf16, exactly as torch's bf16 ops do.
+void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const uint16_t* sin) {
+    const i64 h2 = D / 2;
+    for (i64 b = 0; b < B; b++)
+        for (i64 h = 0; h < H; h++) {
+            uint16_t* r = x + (b * H + h) * D;
+            const uint16_t *c = cos + b * D, *s = sin + b * D;
+            for (i64 d = 0; d < h2; d++) {
+                const float x1 = bf2f(r[d]), x2 = bf2f(r[d + h2]);
+                r[d] = f2bf(bf2f(f2bf(x1 * bf2f(c[d]))) + bf2f(f2bf(-x2 * bf2f(s[d]))));
+                r[d + h2] = f2bf(bf2f(f2bf(x2 * bf2f(c[d + h2]))) + bf2f(f2bf(x1 * bf2f(s[d + h2]))));
+            }
+        }
+}
+
 // y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
 // routers (a few hundred KB of weight), where torch's CPU bf16 gemv costs ~45 us. K % 32 == 0; returns 0 (nothing
 // written) otherwise or without AVX512-BF16.

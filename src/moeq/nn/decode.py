@@ -1,4 +1,5 @@
-"""Native forwards for the small per-layer modules of a CPU decode step: RMSNorms and softmax top-k routers.
+"""Native forwards for the small per-layer modules of a CPU decode step: RMSNorms, softmax top-k routers and the
+glue of Llama-style attention (RoPE, cache update, the attention itself).
 
 At one token their work is a few thousand flops, yet transformers' forwards cost 20-200 µs each in torch op dispatch
 (measured on the Qwen3-30B-A3B-shaped benchmark model: RMSNorm ~60 µs and router ~200 µs per layer inside a decode
@@ -7,11 +8,12 @@ native call for bf16 CPU inputs of up to :data:`MAX_ROWS` rows and the module's 
 
 A fast forward is installed per module instance, and only after it reproduced that module's own output on a probe
 input built from the module's real weights: a family whose norm or router differs (Gemma's ``1 + weight``, routers
-with biases, sigmoid or grouped scoring) keeps its own forward.
+with biases, sigmoid or grouped scoring, attention with clipped or partial-rotary projections) keeps its own forward.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import types
 
@@ -19,10 +21,12 @@ import torch
 from torch import nn
 
 from moeq.kernels import cpu
+from moeq.nn import attention
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 64
 _NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+_ROPE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
 _GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
 
@@ -69,27 +73,66 @@ class _Norm:
     with its class's own forward (a bound method pickles as a lookup of its name)."""
 
     @staticmethod
-    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(self, hidden_states, self._moeq_eps)
-        return type(self).forward(self, hidden_states) if y is None else y
+    def forward(mod: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(mod, hidden_states, mod._moeq_eps)
+        return type(mod).forward(mod, hidden_states) if y is None else y
 
 
 class _Router:
     """transformers' softmax top-k router (``(logits, scores, indices)``) with the logits from :func:`bf16_linear`;
-    ``self._moeq_router = (renorm, cast)``: the top-k probabilities divided by their sum; scores returned in the
+    ``mod._moeq_router = (renorm, cast)``: the top-k probabilities divided by their sum; scores returned in the
     logits' dtype. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
 
     @staticmethod
-    def forward(self: nn.Module, hidden_states: torch.Tensor):
-        renorm, cast = self._moeq_router
-        h = hidden_states.reshape(-1, self.hidden_dim)
-        logits = bf16_linear(h, self.weight)
+    def forward(mod: nn.Module, hidden_states: torch.Tensor):
+        renorm, cast = mod._moeq_router
+        h = hidden_states.reshape(-1, mod.hidden_dim)
+        logits = bf16_linear(h, mod.weight)
         if logits is None:
-            return type(self).forward(self, hidden_states)
-        values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+            return type(mod).forward(mod, hidden_states)
+        values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), mod.top_k, dim=-1)
         if renorm:
             values /= values.sum(dim=-1, keepdim=True)
         return logits, values.to(logits.dtype) if cast else values, indices
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place, one token: ``x [B, 1, H, D]`` (contiguous bf16) = x cos + rotate_half(x) sin, ``cos/sin [B, 1, D]``,
+    with torch's bf16 rounding of each product and of the sum."""
+    b, _, h, d = x.shape
+    _fn("moeq_rope_bf16", _ROPE_ARGS)(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
+
+
+class _Attention:
+    """transformers' Llama-style attention forward (q/k/v projections, optional q/k RMSNorms per head or over the
+    whole projection, RoPE, cache update, attention, o projection) for one bf16 token, with RoPE and the attention
+    native; ``mod._moeq_qk_norm`` is "none", "head" or "full". Anything else runs the class's own forward. Bound per
+    instance, named ``forward`` as :class:`_Norm`'s."""
+
+    @staticmethod
+    def forward(mod: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                cache=None, **kwargs):
+        b, t, _ = hidden_states.shape if hidden_states.dim() == 3 else (0, 0, 0)
+        d = mod.head_dim
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        if (t != 1 or cache is None or cos is None or mod.training or hidden_states.dtype != torch.bfloat16
+                or hidden_states.device.type != "cpu" or cos.dtype != torch.bfloat16 or cos.shape != (b, 1, d)
+                or kwargs.get("output_attentions")):
+            return type(mod).forward(mod, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        norm = mod._moeq_qk_norm
+        q, k, v = mod.q_proj(hidden_states), mod.k_proj(hidden_states), mod.v_proj(hidden_states)
+        if norm == "full":
+            q, k = mod.q_norm(q), mod.k_norm(k)
+        q, k, v = (z.reshape(b, 1, -1, d) for z in (q, k, v))
+        if norm == "head":
+            q, k = mod.q_norm(q), mod.k_norm(k)
+        q, k = q.contiguous(), k.contiguous()
+        rope_(q, cos.contiguous(), sin.contiguous())
+        rope_(k, cos.contiguous(), sin.contiguous())
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), mod.layer_idx, kwargs=kwargs)
+        out, _ = attention.attention_forward(mod, q.transpose(1, 2), keys, values, attention_mask,
+                                             scaling=mod.scaling, **kwargs)
+        return mod.o_proj(out.reshape(b, 1, -1)), None
 
 
 def _probe(n: int, rows: int = 4) -> torch.Tensor:
@@ -151,12 +194,60 @@ def _try_router(mod: nn.Module) -> bool:
     return False
 
 
+def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -> bool:
+    """Install :class:`_Attention` where it reproduces the module's own decode step on a probe: three tokens of
+    prefill, then one step at position 3, each against its own cache."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if (rotary is None or not type(mod).__name__.endswith("Attention") or not all(hasattr(mod, n) for n in names)
+            or not isinstance(getattr(mod, "head_dim", None), int)
+            or not isinstance(getattr(mod, "layer_idx", None), int)
+            or getattr(model.config, "_attn_implementation", None) != attention.NAME
+            or getattr(getattr(mod, "config", None), "clip_qkv", None) is not None):
+        return False
+    t = next(itertools.chain(mod.parameters(), mod.buffers()), None)
+    if t is None or t.device.type != "cpu" or getattr(model, "dtype", None) != torch.bfloat16:
+        return False
+    has_norm = hasattr(mod, "q_norm") and hasattr(mod, "k_norm")
+    width = mod.q_proj.out_features if hasattr(mod.q_proj, "out_features") else None
+    norm_dim = getattr(getattr(mod, "q_norm", None), "weight", torch.empty(0)).shape[-1] if has_norm else None
+    variant = "none" if not has_norm else "head" if norm_dim == mod.head_dim else "full" if norm_dim == width else None
+    if variant is None:
+        return False
+    hidden = mod.q_proj.in_features if hasattr(mod.q_proj, "in_features") else None
+    if hidden is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 4, hidden, generator=g)).bfloat16()
+    pos = torch.arange(4)[None].expand(2, 4)
+    mod._moeq_qk_norm = variant
+    try:  # a probe: a module this forward cannot run keeps its own
+        with torch.no_grad():
+            cos, sin = rotary(x, pos)
+            caches = [DynamicCache(config=model.config) for _ in range(2)]
+            for c in caches:
+                type(mod).forward(mod, x[:, :3], (cos[:, :3], sin[:, :3]), None, cache=c)
+            ref, _ = type(mod).forward(mod, x[:, 3:], (cos[:, 3:], sin[:, 3:]), None, cache=caches[0])
+            got, _ = _Attention.forward(mod, x[:, 3:], (cos[:, 3:], sin[:, 3:]), None, cache=caches[1])
+    except (RuntimeError, ValueError, TypeError, AttributeError, IndexError) as e:
+        log.debug("%s keeps its own forward: %s", type(mod).__name__, e)
+        got = ref = None
+    if got is None or not _close(got, ref):
+        del mod._moeq_qk_norm
+        return False
+    mod.forward = types.MethodType(_Attention.forward, mod)
+    return True
+
+
 def install(model: nn.Module) -> dict[str, int]:
-    """Give the model's bf16 RMSNorms and softmax top-k routers their native decode forwards where each reproduces
-    the module's own output; returns how many of each got one. A no-op without the native kernels (AVX512-BF16)."""
-    done = {"rms_norm": 0, "router": 0}
+    """Give the model's bf16 RMSNorms, softmax top-k routers and Llama-style attention modules their native decode
+    forwards where each reproduces the module's own output; returns how many of each got one. A no-op without the
+    native kernels (AVX512-BF16)."""
+    done = {"rms_norm": 0, "router": 0, "attention": 0}
     if not cpu.has_dpbf16():
         return done
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
     for _, mod in model.named_modules():
         if "forward" in mod.__dict__:  # already installed (or replaced by someone else): leave it
             continue
@@ -165,6 +256,8 @@ def install(model: nn.Module) -> dict[str, int]:
             done["rms_norm"] += _try_norm(mod, eps)
         elif _try_router(mod):
             done["router"] += 1
+        elif _try_attention(mod, model, rotary):
+            done["attention"] += 1
     log.debug("native decode forwards: %s", done)
     return done
 
