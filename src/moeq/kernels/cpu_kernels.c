@@ -422,9 +422,9 @@ static inline __attribute__((always_inline)) float rtn4_row1_p64(
 }
 
 // One output row n for M (1..8) rows of x in either layout; M becomes a compile-time constant per case.
-static inline __attribute__((always_inline)) void rtn4_row_bf16(int perm64, const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q,
-                                 const void* scale, int scale_bf16, const uint8_t* zero, i64 n, i64 K, i64 gs,
-                                 float* out, float* zt) {
+static inline __attribute__((always_inline)) void rtn4_row_bf16(
+    int perm64, const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+    const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
     // the presets' layout (symmetric, bf16 scales) with both known at compile time: ~10% faster at one row
     if (perm64 && M == 1) {
         out[0] = scale_bf16 && !zero ? rtn4_row1_p64(xb, xsum, q, scale, 1, NULL, n, K, gs)
