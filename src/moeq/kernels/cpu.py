@@ -80,6 +80,14 @@ def i64(v: int) -> ctypes.c_int64:
     return ctypes.c_int64(v)
 
 
+def func(name: str, argtypes: list):
+    """A native function declared with its argument types, so callers pass plain ints (pointers, sizes) and floats."""
+    fn = getattr(lib(), name)
+    if fn.argtypes is None:
+        fn.argtypes = argtypes
+    return fn
+
+
 def usable(*tensors: torch.Tensor | None) -> bool:
     """The native path takes CPU, contiguous tensors only."""
     return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)

@@ -425,16 +425,16 @@ static inline __attribute__((always_inline)) float rtn4_row1_p64(
 static inline __attribute__((always_inline)) void rtn4_row_bf16(
     int perm64, const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
     const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
-    // the presets' layout (symmetric, bf16 scales) with both known at compile time: ~10% faster at one row
-    if (perm64 && M == 1) {
+    if (perm64 && M == 1) {  // one row: its own form; symmetric bf16-scale layout (the presets') known at compile time
         out[0] = scale_bf16 && !zero ? rtn4_row1_p64(xb, xsum, q, scale, 1, NULL, n, K, gs)
                                      : rtn4_row1_p64(xb, xsum, q, scale, scale_bf16, zero, n, K, gs);
         return;
     }
+    // 2-8 rows, the presets' layout known at compile time (~10% faster, measured at one row before the form above)
 #define DP_SYM_CASE(c) case c: rtn4_row_dpbf16_p64(xb, xsum, c, q, scale, 1, NULL, n, K, gs, out, zt); break;
     if (perm64 && scale_bf16 && !zero) {
-        switch (M) { DP_SYM_CASE(1) DP_SYM_CASE(2) DP_SYM_CASE(3) DP_SYM_CASE(4) DP_SYM_CASE(5) DP_SYM_CASE(6)
-                     DP_SYM_CASE(7) DP_SYM_CASE(8) }
+        switch (M) { DP_SYM_CASE(2) DP_SYM_CASE(3) DP_SYM_CASE(4) DP_SYM_CASE(5) DP_SYM_CASE(6) DP_SYM_CASE(7)
+                     DP_SYM_CASE(8) }
         return;
     }
 #undef DP_SYM_CASE

@@ -77,11 +77,9 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         add = (torch.zeros(b, s).masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else m.float()).contiguous()
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16)
-    fn = cpu.lib().moeq_attn_decode_bf16
-    if fn.argtypes is None:
-        fn.argtypes = _ARGS
-    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if add is None else add.data_ptr(), b, hq, hkv, s, d, scale,
-       out.data_ptr())
+    cpu.func("moeq_attn_decode_bf16", _ARGS)(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                              None if add is None else add.data_ptr(), b, hq, hkv, s, d, scale,
+                                              out.data_ptr())
     return out
 
 

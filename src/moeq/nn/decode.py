@@ -30,13 +30,6 @@ _ROPE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c
 _GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
 
-def _fn(name: str, argtypes: list):
-    fn = getattr(cpu.lib(), name)
-    if fn.argtypes is None:
-        fn.argtypes = argtypes
-    return fn
-
-
 def _small_bf16(x: torch.Tensor, weight: torch.Tensor, n: int) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.is_contiguous() and x.shape[-1] == n
@@ -52,7 +45,7 @@ def rms_norm(module: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | N
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty_like(x)
-    _fn("moeq_rmsnorm_bf16", _NORM_ARGS)(x.data_ptr(), w.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
+    cpu.func("moeq_rmsnorm_bf16", _NORM_ARGS)(x.data_ptr(), w.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
     return y
 
 
@@ -63,7 +56,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    if not _fn("moeq_bf16_gemv", _GEMV_ARGS)(x.data_ptr(), x.numel() // k, weight.data_ptr(), n, k, y.data_ptr()):
+    gemv = cpu.func("moeq_bf16_gemv", _GEMV_ARGS)
+    if not gemv(x.data_ptr(), x.numel() // k, weight.data_ptr(), n, k, y.data_ptr()):
         return None
     return y
 
@@ -100,7 +94,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place, one token: ``x [B, 1, H, D]`` (contiguous bf16) = x cos + rotate_half(x) sin, ``cos/sin [B, 1, D]``,
     with torch's bf16 rounding of each product and of the sum."""
     b, _, h, d = x.shape
-    _fn("moeq_rope_bf16", _ROPE_ARGS)(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
+    cpu.func("moeq_rope_bf16", _ROPE_ARGS)(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
 
 
 class _Attention:
@@ -127,8 +121,9 @@ class _Attention:
         if norm == "head":
             q, k = mod.q_norm(q), mod.k_norm(k)
         q, k = q.contiguous(), k.contiguous()
-        rope_(q, cos.contiguous(), sin.contiguous())
-        rope_(k, cos.contiguous(), sin.contiguous())
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rope_(q, cos, sin)
+        rope_(k, cos, sin)
         keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), mod.layer_idx, kwargs=kwargs)
         out, _ = attention.attention_forward(mod, q.transpose(1, 2), keys, values, attention_mask,
                                              scaling=mod.scaling, **kwargs)
