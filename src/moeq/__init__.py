@@ -2,8 +2,9 @@
 __version__ = "0.1.0"
 
 from moeq.api import inspect, quantize_, save  # noqa: E402
+from moeq.errors import MoeqError  # noqa: E402
 from moeq.config import BNB4, FP4, NF4, RTN, Int8, Keep, QuantConfig, method  # noqa: E402
 from moeq.loader import load  # noqa: E402
 
 __all__ = ["quantize_", "load", "save", "inspect", "QuantConfig", "RTN", "BNB4", "NF4", "FP4", "Int8", "Keep",
-           "method", "__version__"]
+           "method", "MoeqError", "__version__"]

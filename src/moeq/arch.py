@@ -12,6 +12,7 @@ import dataclasses
 import re
 
 from transformers import PretrainedConfig
+from moeq.errors import MoeqError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,5 +88,5 @@ def supported() -> list[str]:
 def get_arch(config: PretrainedConfig | str) -> Arch:
     mt = config if isinstance(config, str) else getattr(config, "model_type", None)
     if mt not in ARCHS:
-        raise ValueError(f"unsupported architecture {mt!r}; moeq supports: {', '.join(supported())}")
+        raise MoeqError(f"unsupported architecture {mt!r}; moeq supports: {', '.join(supported())}")
     return ARCHS[mt]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ def run(ckpt: Path, systems: list[str], batches=(1, 4, 16), prefills=(512, 2048)
     valid = [BASELINE, "transformers+bnb nf4", *presets]
     bad = [s for s in systems if s not in valid]
     if bad:
-        raise ValueError(f"unknown system(s) {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+        raise MoeqError(f"unknown system(s) {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
     results = {"checkpoint": str(ckpt), "threads": torch.get_num_threads(), "systems": []}
     for sysname in systems:
         gc.collect()

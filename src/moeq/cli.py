@@ -8,6 +8,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from moeq.errors import MoeqError
 
 
 def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
@@ -32,7 +33,7 @@ def _quant_config(args):
     rules = []
     for r in args.rule or []:
         if "=" not in r:
-            raise ValueError(f"--rule {r!r}: expected PATTERN=METHOD, e.g. 'lm_head=rtn-int8'")
+            raise MoeqError(f"--rule {r!r}: expected PATTERN=METHOD, e.g. 'lm_head=rtn-int8'")
         pat, m = r.rsplit("=", 1)
         rules.append((pat, method(m, args.group_size)))
     return QuantConfig(method(args.method, args.group_size), tuple(rules))
@@ -86,7 +87,7 @@ def cmd_generate(args) -> int:
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{args.model}: no usable tokenizer ({e})") from None
+        raise MoeqError(f"{args.model}: no usable tokenizer ({e})") from None
     ids = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
     torch.manual_seed(args.seed)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.eos_token_id)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from moeq.formats import PackedWeight, bnb4, int8, rtn
+from moeq.errors import MoeqError
 
 FORMAT_CONFIGS: dict[str, type[FormatConfig]] = {}
 
@@ -39,7 +40,7 @@ class FormatConfig:
         name = d.pop("format", None)
         d.pop("version", None)
         if name not in FORMAT_CONFIGS:
-            raise ValueError(f"unknown format {name!r}; valid: {sorted(FORMAT_CONFIGS)}")
+            raise MoeqError(f"unknown format {name!r}; valid: {sorted(FORMAT_CONFIGS)}")
         return FORMAT_CONFIGS[name](**d)
 
     def label(self) -> str:
@@ -60,9 +61,9 @@ class RTN(FormatConfig):
 
     def __post_init__(self):
         if self.bits not in rtn.BITS:
-            raise ValueError(f"unsupported RTN bits {self.bits}; valid choices: {list(rtn.BITS)}")
+            raise MoeqError(f"unsupported RTN bits {self.bits}; valid choices: {list(rtn.BITS)}")
         if not rtn.valid_group_size(self.group_size):
-            raise ValueError(f"unsupported RTN group_size {self.group_size}; valid choices: a multiple of 16 up to "
+            raise MoeqError(f"unsupported RTN group_size {self.group_size}; valid choices: a multiple of 16 up to "
                              "4096 or -1")
 
     def quantize(self, w, name=None, slices=None):
@@ -87,9 +88,9 @@ class BNB4(FormatConfig):
 
     def __post_init__(self):
         if self.quant_type not in ("nf4", "fp4"):
-            raise ValueError(f"unsupported quant_type {self.quant_type!r}; valid choices: ['nf4', 'fp4']")
+            raise MoeqError(f"unsupported quant_type {self.quant_type!r}; valid choices: ['nf4', 'fp4']")
         if self.blocksize not in bnb4.BLOCKSIZES:
-            raise ValueError(f"unsupported blocksize {self.blocksize}; valid choices: {list(bnb4.BLOCKSIZES)}")
+            raise MoeqError(f"unsupported blocksize {self.blocksize}; valid choices: {list(bnb4.BLOCKSIZES)}")
 
     def quantize(self, w, name=None, slices=None):
         return bnb4.quantize(w, self.quant_type, self.blocksize, self.double_quant, slices=slices, name=name,
@@ -154,7 +155,7 @@ METHODS: dict[str, FormatConfig] = {
 def method(name: str, group_size: int | None = None) -> FormatConfig:
     """A named preset (``rtn-int4``, ``nf4``, ...); ``group_size`` overrides RTN group / bnb block size."""
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; valid: {sorted(METHODS)}")
+        raise MoeqError(f"unknown method {name!r}; valid: {sorted(METHODS)}")
     cfg = METHODS[name]
     if group_size is not None:
         if isinstance(cfg, RTN):

@@ -11,6 +11,7 @@ from moeq.arch import Arch
 from moeq.config import FormatConfig, Keep
 from moeq.formats import PackedWeight
 from moeq.nn import Activation, Llama4MoeAdapter, QuantExperts, QuantLinear
+from moeq.errors import MoeqError
 
 KINDS = ("gate", "up", "down")
 
@@ -68,20 +69,20 @@ class ExpertsBuilder:
 
     def _check_open(self, where: str) -> None:
         if self.built:
-            raise ValueError(f"{where}: {self.name} is already complete: duplicate or extra expert tensor")
+            raise MoeqError(f"{where}: {self.name} is already complete: duplicate or extra expert tensor")
 
     def expected_shape(self, kind: str) -> tuple[int, int]:
         return (self.hidden, self.inter) if kind == "down" else (self.inter, self.hidden)
 
     def _check_piece(self, e: int, kind: str, shape, where: str) -> None:
         if not 0 <= e < self.num_experts:
-            raise ValueError(f"{where}: expert index {e} out of range: the config declares {self.num_experts} experts")
+            raise MoeqError(f"{where}: expert index {e} out of range: the config declares {self.num_experts} experts")
         if tuple(shape) != self.expected_shape(kind):
-            raise ValueError(f"{where}: shape {list(shape)} does not match the config "
+            raise MoeqError(f"{where}: shape {list(shape)} does not match the config "
                              f"(expected {list(self.expected_shape(kind))})")
         self._check_open(where)
         if (e, kind) in self.pieces:
-            raise ValueError(f"{where}: expert {e} {kind} given twice")
+            raise MoeqError(f"{where}: expert {e} {kind} given twice")
 
     def put(self, e: int, kind: str, w: torch.Tensor, key: str = "") -> None:
         where = key or f"{self.name}[{e}].{kind}"
@@ -99,7 +100,7 @@ class ExpertsBuilder:
         """A 3-D fused parameter; ``get_slice(e)`` returns expert e's 2-D slice in the model's layout."""
         want = tuple(getattr(self.module, param).shape)
         if tuple(shape) != want:
-            raise ValueError(f"{key}: shape {list(shape)} does not match the config (expected {list(want)})")
+            raise MoeqError(f"{key}: shape {list(shape)} does not match the config (expected {list(want)})")
         for e in range(self.num_experts):
             w = get_slice(e)
             if param == "gate_up_proj":
@@ -112,7 +113,7 @@ class ExpertsBuilder:
     def put_bias(self, param: str, b: torch.Tensor, key: str) -> None:
         want = tuple(getattr(self.module, f"{param}_bias").shape)
         if tuple(b.shape) != want:
-            raise ValueError(f"{key}: shape {list(b.shape)} does not match the config (expected {list(want)})")
+            raise MoeqError(f"{key}: shape {list(b.shape)} does not match the config (expected {list(want)})")
         self._check_open(key)
         self.biases[param] = (split_gate_up_bias(self.arch, b) if param == "gate_up_proj" else b).to(self.dtype)
 
@@ -127,7 +128,7 @@ class ExpertsBuilder:
 
     def build(self) -> nn.Module:
         if self.missing():
-            raise ValueError("incomplete experts: " + "; ".join(self.missing()[:8]))
+            raise MoeqError("incomplete experts: " + "; ".join(self.missing()[:8]))
         e_range = range(self.num_experts)
         if isinstance(self.fmt, Keep):  # unquantized: fill the original module in its own layout
             gate_up = torch.stack([torch.cat([self.pieces[(e, "gate")], self.pieces[(e, "up")]]) for e in e_range])
@@ -139,14 +140,14 @@ class ExpertsBuilder:
             return self.module
         kinds = {type(p) for p in self.pieces.values()}
         if len(kinds) != 1:
-            raise ValueError(f"{self.name}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
+            raise MoeqError(f"{self.name}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
                              "every expert weight of one module must share a format")
         cls = kinds.pop()
         try:
             w13 = cls.join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
             w2 = cls.join([[self.pieces[(e, "down")]] for e in e_range])
         except ValueError as err:
-            raise ValueError(f"{self.name}: {err}") from None
+            raise MoeqError(f"{self.name}: {err}") from None
         self.pieces.clear()
         self.built = True
         return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"),

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from moeq.errors import MoeqError
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class EvalResult:
 def windows(n: int, ctx: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored position within the window) covering ``n`` tokens."""
     if n < ctx + 1:
-        raise ValueError(f"text too short: {n} tokens, need at least ctx + 1 = {ctx + 1} for one window "
+        raise MoeqError(f"text too short: {n} tokens, need at least ctx + 1 = {ctx + 1} for one window "
                          f"(give more text or a smaller --ctx)")
     stride = ctx // 2
     out = [(0, ctx + 1, 0)]
@@ -44,9 +45,9 @@ def windows(n: int, ctx: int) -> list[tuple[int, int, int]]:
 def check_compatible(model: nn.Module, ref: nn.Module, tokenizer=None, ref_tokenizer=None) -> None:
     vm, vr = model.config.get_text_config().vocab_size, ref.config.get_text_config().vocab_size
     if vm != vr:
-        raise ValueError(f"vocabulary size mismatch: model {vm} vs reference {vr}; KL needs the same vocabulary")
+        raise MoeqError(f"vocabulary size mismatch: model {vm} vs reference {vr}; KL needs the same vocabulary")
     if tokenizer is not None and ref_tokenizer is not None and tokenizer.get_vocab() != ref_tokenizer.get_vocab():
-        raise ValueError("tokenizer mismatch between MODEL and REF: their vocabularies differ, so token ids mean "
+        raise MoeqError("tokenizer mismatch between MODEL and REF: their vocabularies differ, so token ids mean "
                          "different things; evaluate models that share a tokenizer")
 
 
@@ -76,7 +77,7 @@ def evaluate(model: nn.Module, ref: nn.Module, ids: torch.Tensor, ctx: int = 512
         count += t.numel()
     kl = torch.cat(kls)
     if not torch.isfinite(kl).all():
-        raise ValueError("non-finite KL: the model produced NaN/Inf logits")
+        raise MoeqError("non-finite KL: the model produced NaN/Inf logits")
     return EvalResult(ppl=math.exp(nll / count), ref_ppl=math.exp(nll_ref / count), mean_kl=kl.mean().item(),
                       p99_kl=torch.quantile(kl, 0.99).item() if kl.numel() < 2**24 else kl.sort().values[
                           int(0.99 * (kl.numel() - 1))].item(),

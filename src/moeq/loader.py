@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -15,16 +17,19 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.activations import ACT2FN
 
 from moeq.arch import FUSED_KEY_RE, Arch, get_arch
 from moeq.config import QuantConfig
 from moeq.convert import (
-    ExpertsBuilder, activation_for, existing_bias, install_experts, is_experts, quantize_linear, set_module,
+    ExpertsBuilder, activation_for, existing_bias, experts_dims, install_experts, is_experts, quantize_linear,
+    set_module,
 )
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
 from moeq.nn import Activation, QuantExperts, QuantLinear, attention, decode
 from moeq.nn.linear import canonicalize_head_input
+from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 QUANT_METHOD = "moeq"
@@ -57,11 +62,42 @@ def _skeleton(config, dtype: torch.dtype) -> nn.Module:
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
         del config.quantization_config
-    with meta_parameters():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if qc is not None:
-        config.quantization_config = qc
+    check_config(config)
+    try:
+        with meta_parameters():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except MoeqError:
+        raise
+    except Exception as e:  # transformers' own checks of an untrusted config.json, in whatever type it raises
+        raise MoeqError(f"the model described by config.json cannot be built: {type(e).__name__}: {e}") from None
+    finally:
+        if qc is not None:
+            config.quantization_config = qc
     return model
+
+
+# config.json sizes that must be positive integers (when present), and the most any real model uses times ~100
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+          "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
+          "num_local_experts", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
+_MAX_SIZE = 1 << 31
+
+
+def check_config(config) -> None:
+    """Refuse a config.json whose sizes are not positive integers or whose top-k exceeds its experts: clear
+    errors instead of tracebacks (or hangs) deep inside the model constructor."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _SIZES:
+        v = getattr(text, name, None)
+        if v is None:
+            continue
+        if type(v) is not int or not 0 < v < _MAX_SIZE:
+            raise MoeqError(f"config.json: {name} = {v!r} must be a positive integer below {_MAX_SIZE}")
+    experts = next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, n, None)), None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if experts and top_k and top_k > experts:
+        raise MoeqError(f"config.json: num_experts_per_tok = {top_k} exceeds the {experts} experts")
 
 
 def _compute_dtype(config, dtype: torch.dtype | None) -> torch.dtype:
@@ -78,20 +114,20 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, key: str) -> None:
     try:
         mod = model.get_submodule(mod_name) if mod_name else model
     except AttributeError:
-        raise ValueError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
+        raise MoeqError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
     if attr in mod._parameters:
         cur = mod._parameters[attr]
         if cur is not None and tuple(cur.shape) != tuple(t.shape):
-            raise ValueError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
+            raise MoeqError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
         dtype = cur.dtype if cur is not None and cur.is_floating_point() else t.dtype
         mod._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
     elif attr in mod._buffers:
         cur = mod._buffers[attr]
         if cur is not None and tuple(cur.shape) != tuple(t.shape):
-            raise ValueError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
+            raise MoeqError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
         mod._buffers[attr] = t.to(cur.dtype) if cur is not None and cur.is_floating_point() else t
     else:
-        raise ValueError(f"{key}: the model has no parameter or buffer {name!r} (unexpected key)")
+        raise MoeqError(f"{key}: the model has no parameter or buffer {name!r} (unexpected key)")
 
 
 def _load_generation_config(model: nn.Module, path: Path) -> None:
@@ -113,7 +149,7 @@ def _finish(model: nn.Module, unused: list[str], config) -> nn.Module:
             parts.append(f"{len(missing)} parameter(s) not filled by the checkpoint: {', '.join(missing[:10])}")
         if unused:
             parts.append(f"{len(unused)} checkpoint key(s) not used: {', '.join(unused[:10])}")
-        raise ValueError("; ".join(parts))
+        raise MoeqError("; ".join(parts))
     model.eval()
     model.requires_grad_(False)
     canonicalize_head_input(model)
@@ -140,13 +176,16 @@ def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.
     ckpt = Checkpoint(path)
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read config.json: {e}") from None
+    except Exception as e:  # an untrusted file parsed by transformers: any failure is the file's
+        raise MoeqError(f"{path}: cannot read config.json: {type(e).__name__}: {e}") from None
     qc = getattr(config, "quantization_config", None)
-    qc = qc if isinstance(qc, dict) else (qc.to_dict() if qc is not None else None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if callable(getattr(qc, "to_dict", None)) else qc
+    if qc is not None and not isinstance(qc, dict):
+        raise MoeqError(f"{path}/config.json: quantization_config must be an object, got {type(qc).__name__}")
     if qc and qc.get("quant_method") == QUANT_METHOD:
         if quant is not None:
-            raise ValueError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
+            raise MoeqError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
         return _load_saved(path, ckpt, config, qc, dtype, progress)
     if qc:
         from moeq.prequant import load_prequantized  # noqa: PLC0415
@@ -170,7 +209,7 @@ def _load_streaming(path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dty
         model.get_submodule(name).bias = nn.Parameter(b, requires_grad=False)
     incomplete = [m for b in builders.values() if not b.built for m in b.missing()]
     if incomplete:
-        raise ValueError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}"
+        raise MoeqError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}"
                          + (f" (+{len(incomplete) - 10} more)" if len(incomplete) > 10 else ""))
     model.config.quantization_config = quantization_config(model, qcfg)
     _load_generation_config(model, path)
@@ -220,7 +259,7 @@ def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pen
     if mod_name in linears and attr == "weight":
         lin = model.get_submodule(mod_name)
         if tuple(lin.weight.shape) != tuple(ckpt.tensors[key].shape):
-            raise ValueError(f"{key}: shape {list(ckpt.tensors[key].shape)} does not match the config "
+            raise MoeqError(f"{key}: shape {list(ckpt.tensors[key].shape)} does not match the config "
                              f"(expected {list(lin.weight.shape)})")
         w = ckpt.read(key).to(lin.weight.dtype)
         bias = existing_bias(lin, pending_bias.pop(mod_name, None))
@@ -263,17 +302,54 @@ def quantization_config(model: nn.Module, qcfg: QuantConfig) -> dict:
             "formats": sorted(labels), "modules": modules}
 
 
+def _saved_entry(path: Path, name: str, entry) -> tuple[str, dict, bool]:
+    """Check one ``modules`` entry of a saved moeq config: its type, slots and flags, naming the module at fault."""
+    where = f"{path}: quantization_config.modules[{name!r}]"
+    if not isinstance(entry, dict) or entry.get("type") not in ("experts", "linear"):
+        raise MoeqError(f"{where}: expected an object with type 'experts' or 'linear'")
+    slots = entry.get("slots")
+    want = {"w13", "w2"} if entry["type"] == "experts" else {"weight"}
+    if not isinstance(slots, dict) or set(slots) != want:
+        raise MoeqError(f"{where}: slots must be exactly {sorted(want)}")
+    for key in ("bias", "weight_on_input"):
+        if not isinstance(entry.get(key, False), bool):
+            raise MoeqError(f"{where}: {key} must be true or false")
+    return entry["type"], slots, bool(entry.get("bias"))
+
+
+def _saved_activation(where: str, spec) -> Activation:
+    fields = {f.name: f.type for f in dataclasses.fields(Activation)}
+    if not isinstance(spec, dict) or set(spec) - set(fields):
+        raise MoeqError(f"{where}: activation must be an object with keys among {sorted(fields)}")
+    act = Activation(**spec)
+    if act.kind not in ("glu", "gptoss") or not isinstance(act.act, str) or act.act not in ACT2FN or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in (act.alpha, act.limit)):
+        raise MoeqError(f"{where}: activation {spec} is not one moeq knows")
+    return act
+
+
 def _load_saved(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress: bool) -> nn.Module:
     dtype = _compute_dtype(config, dtype)
     model = _skeleton(config, dtype)
+    arch = get_arch(config)
+    modules = qc.get("modules", {})
+    if not isinstance(modules, dict):
+        raise MoeqError(f"{path}: quantization_config.modules must be an object")
     used: set[str] = set()
-    for name, entry in tqdm(qc.get("modules", {}).items(), desc="mapping", unit="module", disable=not progress):
+    for name, entry in tqdm(modules.items(), desc="mapping", unit="module", disable=not progress):
+        kind, slot_meta, has_bias = _saved_entry(path, name, entry)
+        try:
+            target = model.get_submodule(name)
+        except AttributeError:
+            raise MoeqError(f"{path}: quantization_config names module {name!r}, which the model built from "
+                            "config.json does not have") from None
         slots = {}
-        for slot, meta in entry["slots"].items():
-            meta = dict(meta)
-            fmt = meta.pop("format")
+        for slot, meta in slot_meta.items():
+            where = f"{path}: {name}.{slot}"
+            fmt = meta.get("format") if isinstance(meta, dict) else None
             if fmt not in WEIGHT_TYPES:
-                raise ValueError(f"{path}: module {name}: unknown format {fmt!r}; valid: {sorted(WEIGHT_TYPES)}")
+                raise MoeqError(f"{where}: unknown format {fmt!r}; valid: {sorted(WEIGHT_TYPES)}")
             cls = WEIGHT_TYPES[fmt]
             tensors = {}
             for field in cls.tensor_names():
@@ -281,25 +357,49 @@ def _load_saved(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress:
                 if key in ckpt:
                     tensors[field] = ckpt.mmap(key)
                     used.add(key)
-            slots[slot] = cls.from_parts(tensors, meta)
-        if entry["type"] == "experts":
+            meta = {k: v for k, v in meta.items() if k != "format"}
+            slots[slot] = cls.from_untrusted(tensors, meta, where)
+        if kind == "experts":
+            if not is_experts(target):
+                raise MoeqError(f"{path}: {name} is saved as experts but is not an experts module in this model")
+            e, h, i = experts_dims(target, arch)
+            _expect_shape(path, name, "w13", slots["w13"].shape, (e, 2 * i, h))
+            _expect_shape(path, name, "w2", slots["w2"].shape, (e, h, i))
             b13 = b2 = None
-            if entry.get("bias"):
-                b13, b2 = ckpt.mmap(f"{name}.b13"), ckpt.mmap(f"{name}.b2")
-                used.update({f"{name}.b13", f"{name}.b2"})
-            new = QuantExperts(slots["w13"], slots["w2"], Activation(**entry["activation"]), b13, b2,
+            if has_bias:
+                b13, b2 = (_saved_tensor(path, ckpt, f"{name}.{b}", shape, dtype, used)
+                           for b, shape in (("b13", (e, 2 * i)), ("b2", (e, h))))
+            act = _saved_activation(f"{path}: {name}", entry.get("activation", {}))
+            new = QuantExperts(slots["w13"], slots["w2"], act, b13, b2,
                                weight_on_input=entry.get("weight_on_input", False))
+            install_experts(model, name, new, arch)
         else:
+            if not isinstance(target, nn.Linear):
+                raise MoeqError(f"{path}: {name} is saved as a linear but is not an nn.Linear in this model")
+            _expect_shape(path, name, "weight", slots["weight"].shape, tuple(target.weight.shape))
             bias = None
-            if entry.get("bias"):
-                bias = ckpt.mmap(f"{name}.bias")
-                used.add(f"{name}.bias")
-            new = QuantLinear(slots["weight"], bias)
-        install_experts(model, name, new, get_arch(config)) if entry["type"] == "experts" else set_module(
-            model, name, new)
+            if has_bias:
+                bias = _saved_tensor(path, ckpt, f"{name}.bias", (target.out_features,), dtype, used)
+            set_module(model, name, QuantLinear(slots["weight"], bias))
     unused = []
     for key in ckpt.keys():
         if key not in used:
             _set_or_note_unused(model, key, ckpt.mmap(key), key, unused)
     _load_generation_config(model, path)
     return _finish(model, unused, config)
+
+
+def _expect_shape(path: Path, name: str, slot: str, got: tuple, want: tuple) -> None:
+    if tuple(got) != tuple(want):
+        raise MoeqError(f"{path}: {name}.{slot}: declared shape {list(got)} does not match the model config "
+                        f"(expected {list(want)})")
+
+
+def _saved_tensor(path: Path, ckpt: Checkpoint, key: str, shape: tuple, dtype: torch.dtype, used: set) -> torch.Tensor:
+    if key not in ckpt:
+        raise MoeqError(f"{path}: tensor {key} is missing")
+    t = ckpt.mmap(key)
+    if tuple(t.shape) != tuple(shape) or not t.is_floating_point():
+        raise MoeqError(f"{path}: tensor {key}: {t.dtype} {list(t.shape)}, expected a float tensor {list(shape)}")
+    used.add(key)
+    return t if t.dtype == dtype else t.to(dtype)

@@ -24,6 +24,7 @@ from moeq.convert import existing_bias, set_module
 from moeq.formats import Bnb4Weight, Int8Weight, PackedWeight
 from moeq.io.safetensors_io import Checkpoint
 from moeq.nn import QuantLinear
+from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 QS = ".quant_state.bitsandbytes__"
@@ -36,7 +37,7 @@ def inflight_config(qc: dict) -> FormatConfig:
                     bool(qc.get("bnb_4bit_use_double_quant", False)))
     if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
         return Int8()
-    raise ValueError(f"bitsandbytes quantization_config with neither load_in_4bit nor load_in_8bit: {qc}")
+    raise MoeqError(f"bitsandbytes quantization_config with neither load_in_4bit nor load_in_8bit: {qc}")
 
 
 def compute_dtype(qc: dict, config, dtype: torch.dtype | None) -> torch.dtype:
@@ -58,20 +59,20 @@ def quantized_groups(ckpt: Checkpoint) -> tuple[dict[str, list[str]], dict[str, 
         if QS in k:
             head = k.split(QS)[0]
             if head not in keys:
-                raise ValueError(f"{k}: quant state without its weight {head}")
+                raise MoeqError(f"{k}: quant state without its weight {head}")
             groups[head] = [head] + sorted(x for x in keys if x.startswith(head + "."))
         elif k.endswith(".SCB"):
             prefix = k[: -len("SCB")]
             head = prefix + "weight"
             if head not in keys:
-                raise ValueError(f"{k}: SCB without its weight {head}")
+                raise MoeqError(f"{k}: SCB without its weight {head}")
             if ckpt.tensors[head].dtype != torch.int8:
-                raise ValueError(f"{head}: has an SCB sibling but dtype {ckpt.tensors[head].dtype}, expected int8")
+                raise MoeqError(f"{head}: has an SCB sibling but dtype {ckpt.tensors[head].dtype}, expected int8")
             groups[head] = [head, k] + ([prefix + "weight_format"] if prefix + "weight_format" in keys else [])
     for head in keys:  # a uint8 [n, 1] weight without a quant state is a broken 4-bit tensor
         if head.endswith(".weight") and head not in groups and ckpt.tensors[head].dtype == torch.uint8 and (
                 f"{head}.absmax" in keys):
-            raise ValueError(f"{head}: 4-bit weight whose quant_state JSON "
+            raise MoeqError(f"{head}: 4-bit weight whose quant_state JSON "
                              f"({head}.quant_state.bitsandbytes__nf4|fp4) is missing")
     member = {m: h for h, ms in groups.items() for m in ms}
     return groups, member
@@ -90,7 +91,7 @@ def load_prequantized(path: Path, ckpt: Checkpoint, config, qc: dict, quant, dty
     )
 
     if qc.get("quant_method") != "bitsandbytes":
-        raise ValueError(f"{path}: checkpoints quantized with quant_method={qc.get('quant_method')!r} are not "
+        raise MoeqError(f"{path}: checkpoints quantized with quant_method={qc.get('quant_method')!r} are not "
                          "supported; moeq loads bf16/fp16, moeq and bitsandbytes checkpoints")
     arch = get_arch(config)
     dtype = compute_dtype(qc, config, dtype)
@@ -117,7 +118,7 @@ def load_prequantized(path: Path, ckpt: Checkpoint, config, qc: dict, quant, dty
         mod.bias = nn.Parameter(b, requires_grad=False)
     incomplete = [m for b in builders.values() if not b.built for m in b.missing()]
     if incomplete:
-        raise ValueError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}")
+        raise MoeqError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}")
     model.config.quantization_config = quantization_config(model, qcfg)
     _load_generation_config(model, path)
     return _finish(model, unused, config)
@@ -133,15 +134,15 @@ def _place(model: nn.Module, arch, builders, head: str, q: PackedWeight, pending
         _build_if_complete(model, builders, m["mod"])
         return
     if FUSED_KEY_RE.match(name):
-        raise ValueError(f"{head}: quantized fused 3-D experts are not a bitsandbytes layout moeq knows")
+        raise MoeqError(f"{head}: quantized fused 3-D experts are not a bitsandbytes layout moeq knows")
     mod_name = name[: -len(".weight")]
     try:
         mod = model.get_submodule(mod_name)
     except AttributeError:
-        raise ValueError(f"{head}: no module {mod_name!r} in the model built from config.json") from None
+        raise MoeqError(f"{head}: no module {mod_name!r} in the model built from config.json") from None
     if isinstance(mod, nn.Linear):
         if tuple(q.shape) != tuple(mod.weight.shape):
-            raise ValueError(f"{head}: quantized shape {list(q.shape)} does not match the config "
+            raise MoeqError(f"{head}: quantized shape {list(q.shape)} does not match the config "
                              f"(expected {list(mod.weight.shape)})")
         set_module(model, mod_name, QuantLinear(q, existing_bias(mod, pending_bias.pop(mod_name, None))))
         return

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from moeq.errors import MoeqError
 
 VOCAB = 384
 _COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -43,7 +44,7 @@ _TEXT = ("It is a truth universally acknowledged, that a single man in possessio
 def tiny_config(model_type: str, **overrides):
     table = {**TINY, **DENSE}
     if model_type not in table:
-        raise ValueError(f"no tiny config for {model_type!r}; available: {sorted(table)}")
+        raise MoeqError(f"no tiny config for {model_type!r}; available: {sorted(table)}")
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **table[model_type], **overrides})
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(cfg, attr, None) is not None and not isinstance(getattr(cfg, attr), list):
@@ -68,7 +69,7 @@ def tiny_tokenizer(kind: str = "bytelevel") -> PreTrainedTokenizerFast:
                                          decoders.Strip(" ", 1, 0)])
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     if kind != "bytelevel":
-        raise ValueError(f"unknown tiny tokenizer kind {kind!r}; valid: bytelevel, spm")
+        raise MoeqError(f"unknown tiny tokenizer kind {kind!r}; valid: bytelevel, spm")
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -15,6 +15,7 @@ from torch import nn
 from moeq.arch import get_arch
 from moeq.export import bnb, compressed_tensors, gguf
 from moeq.io.writer import atomic_dir, copy_side_files
+from moeq.errors import MoeqError
 
 EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors, "gguf": gguf}
 HF_LAYOUT = {"bnb", "compressed-tensors"}  # formats that are a transformers checkpoint directory
@@ -25,7 +26,7 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
     """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary. ``source``: the checkpoint the
     model came from (tokenizer and side files are taken from it)."""
     if format not in EXPORTERS:
-        raise ValueError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
+        raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
     arch = get_arch(model.config)
     with atomic_dir(out, overwrite) as tmp:
         if format in HF_LAYOUT:

@@ -13,6 +13,7 @@ from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, 
 from moeq.formats import Bnb4Weight, Int8Weight
 from moeq.io.writer import write_shards
 from moeq.nn import QuantExperts
+from moeq.errors import MoeqError
 
 SUPPORTS = "NF4/FP4 (any blocksize, double quant or not) and LLM.int8 weights"
 
@@ -27,16 +28,16 @@ def _check(model: nn.Module, arch: Arch) -> tuple[str, dict]:
             elif fmt == "int8":
                 kinds.add(("int8",))
             else:
-                raise ValueError(f"{name}.{slot}: format {fmt!r} has no bitsandbytes layout; the bnb export takes "
+                raise MoeqError(f"{name}.{slot}: format {fmt!r} has no bitsandbytes layout; the bnb export takes "
                                  f"{SUPPORTS} (re-quantize with --method nf4|fp4|int8, or export rtn models with "
                                  "--format compressed-tensors)")
         if isinstance(mod, QuantExperts) and not arch.per_expert_on_disk:
-            raise ValueError(f"{name}: {arch.model_types[0]} checkpoints hold fused 3-D experts, which bitsandbytes "
+            raise MoeqError(f"{name}: {arch.model_types[0]} checkpoints hold fused 3-D experts, which bitsandbytes "
                              "never quantized; no bitsandbytes layout exists for them")
         if isinstance(mod, QuantExperts) and mod.b13 is not None:
-            raise ValueError(f"{name}: experts with biases have no per-expert bitsandbytes layout")
+            raise MoeqError(f"{name}: experts with biases have no per-expert bitsandbytes layout")
     if len(kinds) != 1:
-        raise ValueError(f"a bitsandbytes checkpoint has one global setting; this model mixes {sorted(kinds)}")
+        raise MoeqError(f"a bitsandbytes checkpoint has one global setting; this model mixes {sorted(kinds)}")
     kind = kinds.pop()
     if kind[0] == "int8":
         qc = {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False, "_load_in_8bit": True,

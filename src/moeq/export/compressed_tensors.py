@@ -15,6 +15,7 @@ from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, 
 from moeq.formats import RTNWeight
 from moeq.io.writer import write_shards
 from moeq.nn import QuantExperts
+from moeq.errors import MoeqError
 
 SUPPORTS = "RTN int4/int8 weights (symmetric or asymmetric, group size or per-row)"
 
@@ -31,16 +32,16 @@ def _check(model: nn.Module, arch: Arch) -> None:
         for slot, meta in mod._packed_meta.items():
             if meta["format"] != "rtn" or meta["bits"] not in (4, 8):
                 what = meta["format"] + (f" {meta['bits']}-bit" if meta["format"] == "rtn" else "")
-                raise ValueError(f"{name}.{slot}: {what} has no compressed-tensors pack-quantized form; it takes "
+                raise MoeqError(f"{name}.{slot}: {what} has no compressed-tensors pack-quantized form; it takes "
                                  f"{SUPPORTS} (NF4/FP4/LLM.int8 models export with --format bnb)")
         if isinstance(mod, QuantExperts) and mod.b13 is not None:
-            raise ValueError(f"{name}: experts with biases are not exported to compressed-tensors")
+            raise MoeqError(f"{name}: experts with biases are not exported to compressed-tensors")
 
 
 def pack_state(w: RTNWeight, prefix: str) -> list[tuple[str, torch.Tensor]]:
     n, k = w.shape
     if (k * w.bits) % 32:
-        raise ValueError(f"{prefix}weight: {k} inputs x {w.bits} bits is not a whole number of int32 words")
+        raise MoeqError(f"{prefix}weight: {k} inputs x {w.bits} bits is not a whole number of int32 words")
     out = [(prefix + "weight_packed", w.qdata.contiguous().view(torch.int32)),
            (prefix + "weight_scale", w.scale.contiguous() if w.group_size != -1 else w.scale.reshape(n, 1)),
            (prefix + "weight_shape", torch.tensor([n, k], dtype=torch.int64))]
@@ -50,7 +51,7 @@ def pack_state(w: RTNWeight, prefix: str) -> list[tuple[str, torch.Tensor]]:
         z = w.zero.to(torch.int32)  # unsigned codes == signed + 2**(bits-1)
         rows = z.shape[0]
         if (rows * w.bits) % 32:
-            raise ValueError(f"{prefix}weight_zero_point: {rows} rows cannot be packed in whole int32 words")
+            raise MoeqError(f"{prefix}weight_zero_point: {rows} rows cannot be packed in whole int32 words")
         zp = pack(z.t().contiguous().to(torch.uint8), w.bits).contiguous().view(torch.int32).t().contiguous()
         out.append((prefix + "weight_zero_point", zp))
     return out

@@ -27,6 +27,7 @@ from moeq.export.common import expert_pieces, quantized_modules
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
 from moeq.io.writer import unique_tensors
 from moeq.nn import QuantExperts, QuantLinear
+from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe and olmoe models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
@@ -129,7 +130,7 @@ def _plain(t: torch.Tensor, force_f32: bool) -> tuple[Callable[[], np.ndarray], 
         return (lambda: t.contiguous().view(torch.int16).numpy().view(np.uint16)), "BF16"
     if t.dtype == torch.float16:
         return (lambda: t.contiguous().numpy()), "F16"
-    raise ValueError(f"tensor of dtype {t.dtype} has no GGUF form")
+    raise MoeqError(f"tensor of dtype {t.dtype} has no GGUF form")
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -145,7 +146,7 @@ class _Planner:
     def gguf_name(self, module: str) -> str:
         name = self.names.get_name(module)
         if name is None:
-            raise ValueError(f"{module}: no llama.cpp {self.fam.arch} tensor corresponds to it; the GGUF export "
+            raise MoeqError(f"{module}: no llama.cpp {self.fam.arch} tensor corresponds to it; the GGUF export "
                              f"takes {SUPPORTS}")
         return name
 
@@ -175,7 +176,7 @@ class _Planner:
 
     def experts(self, module: str, mod: QuantExperts) -> None:
         if mod.b13 is not None:
-            raise ValueError(f"{module}: experts with biases have no llama.cpp form")
+            raise MoeqError(f"{module}: experts with biases have no llama.cpp form")
         il = int(_LAYER.search(module + ".").group(1))
         pieces: dict[str, list[PackedWeight]] = {"gate": [], "up": [], "down": []}
         for _, kind, w in expert_pieces(mod):
@@ -232,7 +233,7 @@ def _check(model: nn.Module) -> Family:
     cfg = model.config
     mt = cfg.model_type
     if mt not in FAMILIES:
-        raise ValueError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
+        raise MoeqError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
     fam = FAMILIES[mt]
     rope = getattr(cfg, "rope_parameters", None) or {}
     problems = []
@@ -249,7 +250,7 @@ def _check(model: nn.Module) -> Family:
     if mt == "olmoe" and cfg.num_key_value_heads != cfg.num_attention_heads:
         problems.append("grouped-query attention (llama.cpp's olmoe k-norm spans all heads)")
     if problems:
-        raise ValueError(f"this {mt} model cannot be expressed in llama.cpp's {fam.arch} graph: "
+        raise MoeqError(f"this {mt} model cannot be expressed in llama.cpp's {fam.arch} graph: "
                          + "; ".join(problems))
     return fam
 
@@ -324,7 +325,7 @@ def _tokenizer(w, source: Path, n_vocab: int, fam: Family) -> str:
         except (FileNotFoundError, ValueError, TypeError, KeyError, ImportError) as e:
             errors.append(f"{cls.__name__}: {e}")
     if vocab is None:
-        raise ValueError(f"{source}: no tokenizer GGUF can describe (a byte-level BPE or a byte-fallback BPE "
+        raise MoeqError(f"{source}: no tokenizer GGUF can describe (a byte-level BPE or a byte-fallback BPE "
                          f"tokenizer.json is needed): {'; '.join(errors)}")
     tokens, scores, types = [], [], []
     for text, score, ttype in vocab.all_tokens():
@@ -334,7 +335,7 @@ def _tokenizer(w, source: Path, n_vocab: int, fam: Family) -> str:
     if vocab.tokenizer_model == "llama":  # llama.cpp merges by score: a token's score is minus the rank of the
         scores = _merge_scores(source / "tokenizer.json", tokens, scores)  # merge that makes it (HF BPE order)
     if len(tokens) > n_vocab:
-        raise ValueError(f"{source}: tokenizer has {len(tokens)} tokens, more than the model's vocab_size {n_vocab}")
+        raise MoeqError(f"{source}: tokenizer has {len(tokens)} tokens, more than the model's vocab_size {n_vocab}")
     for i in range(len(tokens), n_vocab):  # embedding rows without a token (as convert_hf_to_gguf pads)
         tokens.append(f"[PAD{i}]")
         scores.append(-1000.0)
@@ -353,7 +354,7 @@ def _source_dir(model: nn.Module, source) -> Path:
     for cand in (source, getattr(model, "name_or_path", None), getattr(model.config, "_name_or_path", None)):
         if cand and (Path(cand) / "tokenizer.json").exists():
             return Path(cand)
-    raise ValueError("the GGUF export embeds the tokenizer: pass source= a checkpoint directory holding "
+    raise MoeqError("the GGUF export embeds the tokenizer: pass source= a checkpoint directory holding "
                      f"tokenizer.json (tried {source!r} and the model's own path)")
 
 

@@ -10,6 +10,7 @@ import math
 from typing import Any, ClassVar, Self
 
 import torch
+from moeq.errors import MoeqError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -26,27 +27,38 @@ def parse_dtype(name: str, where: str = "") -> torch.dtype:
     try:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"{where}unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None
+        raise MoeqError(f"{where}unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None
 
 
 def check_finite(w: torch.Tensor, name: str | None) -> None:
     """Refuse NaN/Inf weights: they would silently poison every value sharing their scale."""
     if not torch.isfinite(w).all():
         bad = (~torch.isfinite(w)).sum().item()
-        raise ValueError(f"tensor {name or '<unnamed>'} has {bad} non-finite value(s) (NaN/Inf); refusing to quantize")
+        raise MoeqError(f"tensor {name or '<unnamed>'} has {bad} non-finite value(s) (NaN/Inf); refusing to quantize")
+
+
+def check_result(q: "PackedWeight", w: torch.Tensor, name: str | None) -> "PackedWeight":
+    """A freshly quantized weight must be sound: finite weights can still give non-finite or unrepresentable
+    scales/statistics (|w| near the dtype's maximum). Refuse rather than hand back a NaN model."""
+    found = q.problems()
+    if found:
+        peak = float(w.detach().abs().max()) if w.numel() else 0.0
+        raise MoeqError(f"tensor {name or '<unnamed>'}: quantizing to {q.format} gives an unusable result "
+                        f"(max |w| = {peak:.3g}): " + "; ".join(found[:3]))
+    return q
 
 
 def check_float(w: torch.Tensor, name: str | None) -> None:
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"tensor {name or '<unnamed>'}: expected a bf16/fp16/fp32 weight, got {w.dtype}")
+        raise MoeqError(f"tensor {name or '<unnamed>'}: expected a bf16/fp16/fp32 weight, got {w.dtype}")
     if w.ndim < 1 or w.numel() == 0:
-        raise ValueError(f"tensor {name or '<unnamed>'}: empty or 0-d weight of shape {tuple(w.shape)}")
+        raise MoeqError(f"tensor {name or '<unnamed>'}: empty or 0-d weight of shape {tuple(w.shape)}")
 
 
 def check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """A caller-owned dequantization buffer must be contiguous and exactly of the weight's shape and dtype."""
     if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous()):
-        raise ValueError(f"dequantize out= buffer must be a contiguous {dtype} tensor of shape {tuple(shape)}, got "
+        raise MoeqError(f"dequantize out= buffer must be a contiguous {dtype} tensor of shape {tuple(shape)}, got "
                          f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
 
 
@@ -55,6 +67,32 @@ def row_chunks(rows: int, row_len: int, target: int = 1 << 18):
     step = max(1, target // max(row_len, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
+
+
+def expect_tensor(t: Any, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> list[str]:
+    """Problems of tensor field ``name`` against its expected shape and dtypes (one entry, or none)."""
+    if t is None:
+        return [f"{name} is missing"]
+    if t.dtype not in dtypes:
+        return [f"{name} has dtype {dtype_name(t.dtype)}, expected {'/'.join(dtype_name(d) for d in dtypes)}"]
+    if tuple(t.shape) != tuple(shape):
+        return [f"{name} has shape {list(t.shape)}, expected {list(shape)}"]
+    return []
+
+
+def bad_stats(t: torch.Tensor, name: str, limit: float, nonneg: bool = False) -> list[str]:
+    """Statistics (scales, absmax, offsets) must be finite, within ``limit`` in magnitude, and >= 0 if ``nonneg``."""
+    if t.numel() == 0:
+        return []
+    tf = t.float() if t.dtype != torch.float64 else t
+    if not torch.isfinite(tf).all():
+        return [f"{name} holds {int((~torch.isfinite(tf)).sum())} non-finite value(s)"]
+    hi = float(tf.abs().max())
+    if hi > limit:
+        return [f"{name} holds |value| {hi:.3g}, beyond the {limit:.3g} this weight can represent"]
+    if nonneg and float(tf.min()) < 0:
+        return [f"{name} holds negative value(s)"]
+    return []
 
 
 def choice_error(what: str, value: Any, valid: Any) -> ValueError:
@@ -89,6 +127,8 @@ class PackedWeight:
 
     @classmethod
     def from_parts(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Self:
+        """Rebuild a weight from :meth:`tensors` and :meth:`meta` (trusted: its own module state). Untrusted parts
+        (a file's) go through :meth:`from_untrusted`, which validates them."""
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.metadata.get("tensor"):
@@ -99,6 +139,74 @@ class PackedWeight:
         return cls(**kw)
 
     @classmethod
+    def from_untrusted(cls, tensors: dict[str, torch.Tensor], meta: Any, where: str) -> Self:
+        """:meth:`from_parts` for metadata and tensors read from a file: every metadata key must be present, of
+        the right type and known; then :meth:`validate` checks the tensors against it. Errors name ``where``."""
+        if not isinstance(meta, dict):
+            raise MoeqError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
+        names = set(cls.meta_names())
+        unknown, missing = sorted(set(meta) - names), sorted(names - set(meta))
+        if unknown or missing:
+            raise MoeqError(f"{where}: {cls.format} metadata " + "; ".join(
+                ([f"lacks {missing}"] if missing else []) + ([f"has unknown keys {unknown}"] if unknown else [])))
+        for n in names:
+            v, want = meta[n], cls._META_TYPES.get(n, str)
+            if n == "shape":
+                ok = isinstance(v, list) and all(type(x) is int for x in v)
+            elif n.endswith("dtype"):
+                ok = isinstance(v, str)
+            else:
+                ok = type(v) is want
+            if not ok:
+                raise MoeqError(f"{where}: metadata {n}={v!r} has the wrong type")
+        for n, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise MoeqError(f"{where}: {n} is not a tensor")
+        try:
+            dtype = parse_dtype(meta["dtype"], f"{where}: ")
+        except KeyError:  # pragma: no cover - every format declares dtype
+            raise MoeqError(f"{where}: metadata lacks dtype") from None
+        meta = dict(meta, dtype=dtype_name(dtype))
+        return cls.from_parts(tensors, meta).validate(where)
+
+    _META_TYPES: ClassVar[dict[str, type]] = {}  # metadata field -> its JSON type (default str)
+
+    def problems(self) -> list[str]:
+        """What is wrong with this weight's tensors given its metadata (empty when it is sound): byte counts,
+        shapes, dtypes, code tables, and statistics that are non-finite or would dequantize past the compute
+        dtype's range. Cheap: shape arithmetic plus one pass over the (small) statistics tensors."""
+        out = []
+        shape = getattr(self, "shape", ())
+        if not isinstance(shape, tuple) or not shape or any(type(d) is not int or d <= 0 for d in shape):
+            return [f"declared shape {shape!r} is not a non-empty list of positive integers"]
+        if math.prod(shape) > 1 << 48:
+            return [f"declared shape {list(shape)} is implausibly large"]
+        if getattr(self, "dtype", None) not in _DTYPES.values():
+            out.append(f"dtype {getattr(self, 'dtype', None)} is not one of {sorted(_DTYPES)}")
+        devices = set()
+        for n in self.tensor_names():
+            t = getattr(self, n)
+            if t is not None and not isinstance(t, torch.Tensor):
+                out.append(f"{n} is not a tensor")
+            elif t is not None:
+                devices.add(t.device)
+        if len(devices) > 1:
+            out.append(f"tensors on several devices {sorted(map(str, devices))}")
+        return out + (self._problems() if not out else [])
+
+    def _problems(self) -> list[str]:
+        """Format-specific checks (see :meth:`problems`)."""
+        return []
+
+    def validate(self, where: str = "") -> Self:
+        """Raise :class:`MoeqError` naming ``where`` when :meth:`problems` finds anything; return ``self``."""
+        found = self.problems()
+        if found:
+            raise MoeqError(f"{where or type(self).__name__}: invalid {self.format} weight: " + "; ".join(found[:4])
+                            + (f" (+{len(found) - 4} more)" if len(found) > 4 else ""))
+        return self
+
+    @classmethod
     def join(cls, groups: list[list[Self]]) -> Self:
         """Stack ``E`` groups of 2-D pieces ``[N_j, K]`` into one ``[E, sum N_j, K]`` weight (e.g. gate and up of
         each expert into ``w13``). Row-indexed formats concatenate rows; bnb4 concatenates its slices."""
@@ -106,11 +214,11 @@ class PackedWeight:
         for g in groups:
             for p in g:
                 if p.meta() | {"shape": None} != first.meta() | {"shape": None} or len(p.shape) != 2:
-                    raise ValueError(f"cannot join {type(p).__name__} pieces with different settings: "
+                    raise MoeqError(f"cannot join {type(p).__name__} pieces with different settings: "
                                      f"{p.meta()} vs {first.meta()}")
         rows = [sum(p.shape[0] for p in g) for g in groups]
         if len(set(rows)) != 1 or len({p.shape[1] for g in groups for p in g}) != 1:
-            raise ValueError(f"cannot join pieces of uneven shapes: {[[p.shape for p in g] for g in groups]}")
+            raise MoeqError(f"cannot join pieces of uneven shapes: {[[p.shape for p in g] for g in groups]}")
         return cls._join(groups, (len(groups), rows[0], first.shape[1]))
 
     @classmethod
@@ -146,7 +254,7 @@ class PackedWeight:
     def row_slice(self, start: int, stop: int) -> Self:
         """Rows ``start:stop`` of a 2-D weight (e.g. the gate half of one expert's ``w13``), sharing storage."""
         if len(self.shape) != 2:
-            raise ValueError(f"row_slice needs a 2-D weight, got shape {self.shape}")
+            raise MoeqError(f"row_slice needs a 2-D weight, got shape {self.shape}")
         return dataclasses.replace(self, **{n: t[start:stop] for n, t in self.tensors().items()},
                                    shape=(stop - start, self.shape[1]))
 

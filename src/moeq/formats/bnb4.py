@@ -25,9 +25,11 @@ import math
 import torch
 
 from moeq.formats.base import (
-    PackedWeight, check_finite, check_float, choice_error, dtype_name, parse_dtype, row_chunks, tensor_field,
+    PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, dtype_name, expect_tensor, parse_dtype,
+    row_chunks, tensor_field,
 )
 from moeq.formats.codebooks import QUANT_TYPES, code4, dynamic_map
+from moeq.errors import MoeqError
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 NESTED_BLOCKSIZE = 256
@@ -48,9 +50,47 @@ class Bnb4Weight(PackedWeight):
 
     format = "bnb4"
 
+    _META_TYPES = {"quant_type": str, "blocksize": int}
+
     @property
     def slices(self) -> int:
         return self.packed.shape[0]
+
+    def _problems(self) -> list[str]:
+        if self.quant_type not in QUANT_TYPES:
+            return [f"quant_type {self.quant_type!r} not in {list(QUANT_TYPES)}"]
+        if self.blocksize not in BLOCKSIZES:
+            return [f"blocksize {self.blocksize!r} not in {list(BLOCKSIZES)}"]
+        if self.packed is None or self.packed.ndim != 2 or self.packed.shape[0] < 1:
+            return ["packed must be a 2-D [slices, bytes] tensor"]
+        s = self.packed.shape[0]
+        if self.numel % s:
+            return [f"{self.numel} values cannot be split in {s} slices"]
+        n = self.numel // s
+        nb = -(-n // self.blocksize)
+        dq = self.offset is not None
+        if dq != (self.nested_absmax is not None) or dq != (self.nested_code is not None):
+            return ["double quantization needs offset, nested_absmax and nested_code together"]
+        f32 = (torch.float32,)
+        out = expect_tensor(self.packed, "packed", (s, (n + 1) // 2), (torch.uint8,))
+        out += expect_tensor(self.absmax, "absmax", (s, nb), (torch.uint8,) if dq else f32)
+        out += expect_tensor(self.code, "code (quant_map)", (16,), f32)
+        if dq:
+            out += expect_tensor(self.offset, "offset (nested_offset)", (s,), f32)
+            out += expect_tensor(self.nested_absmax, "nested_absmax", (s, -(-nb // NESTED_BLOCKSIZE)), f32)
+            out += expect_tensor(self.nested_code, "nested_code (nested_quant_map)", (256,), f32)
+        if out:
+            return out
+        limit = torch.finfo(self.dtype).max
+        out = bad_stats(self.code, "code (quant_map)", 1.0)  # bitsandbytes' tables lie in [-1, 1]
+        if not dq:
+            return out + bad_stats(self.absmax, "absmax", limit, nonneg=True)
+        out += bad_stats(self.nested_code, "nested_code (nested_quant_map)", 1.0)
+        out += bad_stats(self.nested_absmax, "nested_absmax", limit, nonneg=True)
+        out += bad_stats(self.offset, "offset (nested_offset)", limit)
+        if not out and float(self.nested_absmax.max()) + float(self.offset.abs().max()) > limit:
+            out.append("nested_absmax + offset exceed the compute dtype's range")
+        return out
 
     @property
     def double_quant(self) -> bool:
@@ -73,7 +113,7 @@ class Bnb4Weight(PackedWeight):
         """The weight at ``idx`` of the leading (expert) dim; needs slices aligned with that dim."""
         lead = self.shape[0]
         if self.slices % lead:
-            raise ValueError(f"cannot index a {self.slices}-slice bnb4 weight of shape {self.shape} by its first "
+            raise MoeqError(f"cannot index a {self.slices}-slice bnb4 weight of shape {self.shape} by its first "
                              f"dim: its statistics cross that dim (quantize per expert to index it)")
         k = self.slices // lead
         w = self.slice(slice(idx * k, (idx + 1) * k))
@@ -86,7 +126,7 @@ class Bnb4Weight(PackedWeight):
         n, k = self.shape
         per_rows = n // self.slices
         if start % per_rows or stop % per_rows:
-            raise ValueError(f"rows {start}:{stop} of a bnb4 weight of shape {self.shape} with {self.slices} "
+            raise MoeqError(f"rows {start}:{stop} of a bnb4 weight of shape {self.shape} with {self.slices} "
                              f"slice(s) cross a slice boundary; its blocks cannot be split there")
         w = self.slice(slice(start // per_rows, stop // per_rows))
         return dataclasses.replace(w, shape=(stop - start, k))
@@ -95,7 +135,7 @@ class Bnb4Weight(PackedWeight):
     def _join(cls, groups: list[list[Bnb4Weight]], shape: tuple[int, ...]) -> Bnb4Weight:
         pieces = [p for g in groups for p in g]
         if len({p.numel // p.slices for p in pieces}) != 1:
-            raise ValueError("bnb4 pieces must all hold equal-size slices to be joined (e.g. gate and up of equal "
+            raise MoeqError("bnb4 pieces must all hold equal-size slices to be joined (e.g. gate and up of equal "
                              f"shape); got {[p.shape for p in pieces]}")
         per_slice = ("packed", "absmax", "offset", "nested_absmax")
         tensors = {n: torch.cat([getattr(p, n) for p in pieces], 0) for n in per_slice
@@ -173,7 +213,7 @@ class Bnb4Weight(PackedWeight):
         """The exact keys a transformers+bitsandbytes checkpoint holds for one ``Linear4bit`` (``prefix`` ends
         with the module name and a dot)."""
         if self.slices != 1:
-            raise ValueError(f"a bnb state dict holds one tensor; this weight has {self.slices} slices: "
+            raise MoeqError(f"a bnb state dict holds one tensor; this weight has {self.slices} slices: "
                              "use .slice(i) or [expert] first")
         sd = {
             f"{prefix}weight": self.packed.reshape(-1, 1),
@@ -193,59 +233,81 @@ class Bnb4Weight(PackedWeight):
         key = f"{prefix}weight"
         qs_keys = [k for k in sd if k.startswith(f"{key}.quant_state.bitsandbytes__")]
         if not qs_keys:
-            raise ValueError(f"{key}: quant_state tensor (weight.quant_state.bitsandbytes__nf4|fp4) is missing")
+            raise MoeqError(f"{key}: quant_state tensor (weight.quant_state.bitsandbytes__nf4|fp4) is missing")
+        if len(qs_keys) > 1:
+            raise MoeqError(f"{key}: several quant_state tensors {sorted(qs_keys)}")
         qs_key = qs_keys[0]
+        blob = sd[qs_key]
+        if blob.dtype != torch.uint8 or blob.ndim != 1 or blob.numel() > 1 << 16:
+            raise MoeqError(f"{qs_key}: expected a 1-D uint8 JSON blob of at most 64 KiB, got {blob.dtype} "
+                            f"{list(blob.shape)}")
         try:
-            qs = json.loads(bytes(sd[qs_key].to(torch.uint8).tolist()).decode())
+            qs = json.loads(bytes(blob.tolist()).decode())
             quant_type, blocksize = qs["quant_type"], int(qs["blocksize"])
             shape, dtype = tuple(int(x) for x in qs["shape"]), parse_dtype(qs["dtype"], f"{qs_key}: ")
         except ValueError as e:
             if "unknown dtype" in str(e):
                 raise
-            raise ValueError(f"{qs_key}: quant_state JSON is unparsable: {e}") from None
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{qs_key}: quant_state JSON lacks a field or is malformed: {e!r}") from None
+            raise MoeqError(f"{qs_key}: quant_state JSON is unparsable: {e}") from None
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:
+            raise MoeqError(f"{qs_key}: quant_state JSON lacks a field or is malformed: {e!r}") from None
+        if not isinstance(quant_type, str) or not shape or any(d <= 0 for d in shape) or math.prod(shape) > 1 << 48:
+            raise MoeqError(f"{qs_key}: quant_type {quant_type!r} / shape {list(shape)} invalid")
         if quant_type not in QUANT_TYPES:
-            raise ValueError(f"{qs_key}: unknown quant_type {quant_type!r}; valid: {list(QUANT_TYPES)}")
+            raise MoeqError(f"{qs_key}: unknown quant_type {quant_type!r}; valid: {list(QUANT_TYPES)}")
         if blocksize not in BLOCKSIZES:
-            raise ValueError(f"{qs_key}: unsupported blocksize {blocksize}; valid: {list(BLOCKSIZES)}")
+            raise MoeqError(f"{qs_key}: unsupported blocksize {blocksize}; valid: {list(BLOCKSIZES)}")
         if qs_key.rsplit("__", 1)[1] != quant_type:
-            raise ValueError(f"{qs_key}: key says {qs_key.rsplit('__', 1)[1]} but its JSON says {quant_type}")
+            raise MoeqError(f"{qs_key}: key says {qs_key.rsplit('__', 1)[1]} but its JSON says {quant_type}")
         for k in (key, f"{key}.absmax"):
             if k not in sd:
-                raise ValueError(f"{k}: missing from the checkpoint")
+                raise MoeqError(f"{k}: missing from the checkpoint")
         n = math.prod(shape)
         nb = -(-n // blocksize)
         packed = sd[key]
-        if packed.dtype != torch.uint8:
+        if packed.dtype != torch.uint8:  # some writers store the packed bytes under another 1-byte dtype
+            if packed.element_size() != 1:
+                raise MoeqError(f"{key}: packed 4-bit data must be 1-byte elements, got {packed.dtype}")
             packed = packed.contiguous().view(torch.uint8)
+        stats = {k: sd[k] for k in (f"{key}.absmax", f"{key}.quant_map", f"{key}.nested_absmax",
+                                    f"{key}.nested_quant_map") if k in sd}
+        dq_declared = "nested_offset" in qs
+        for k, t in stats.items():
+            want = torch.uint8 if k.endswith(".absmax") and dq_declared else torch.float32
+            if t.dtype != want:
+                raise MoeqError(f"{k}: dtype {t.dtype}, expected {want}"
+                                + (" (double-quantized absmax codes)" if want == torch.uint8 else ""))
         if packed.numel() != (n + 1) // 2:
-            raise ValueError(f"{key}: packed size {packed.numel()} bytes does not match the declared shape "
+            raise MoeqError(f"{key}: packed size {packed.numel()} bytes does not match the declared shape "
                              f"{list(shape)} ({(n + 1) // 2} bytes expected)")
         absmax = sd[f"{key}.absmax"].reshape(-1)
         if absmax.numel() != nb:
-            raise ValueError(f"{key}.absmax: {absmax.numel()} values, expected {nb} for shape {list(shape)} "
+            raise MoeqError(f"{key}.absmax: {absmax.numel()} values, expected {nb} for shape {list(shape)} "
                              f"and blocksize {blocksize}")
         offset = nested_absmax = nested_code = None
         if "nested_offset" in qs:
             for k in (f"{key}.nested_absmax", f"{key}.nested_quant_map"):
                 if k not in sd:
-                    raise ValueError(f"{k}: missing although the quant_state declares double quantization")
-            if int(qs.get("nested_blocksize", NESTED_BLOCKSIZE)) != NESTED_BLOCKSIZE:
-                raise ValueError(f"{qs_key}: nested_blocksize {qs['nested_blocksize']} unsupported (only 256)")
-            offset = torch.tensor([float(qs["nested_offset"])], dtype=torch.float32)
+                    raise MoeqError(f"{k}: missing although the quant_state declares double quantization")
+            try:
+                offset = torch.tensor([float(qs["nested_offset"])], dtype=torch.float32)
+                nested_bs = int(qs.get("nested_blocksize", NESTED_BLOCKSIZE))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise MoeqError(f"{qs_key}: nested_offset / nested_blocksize malformed: {e!r}") from None
+            if nested_bs != NESTED_BLOCKSIZE:
+                raise MoeqError(f"{qs_key}: nested_blocksize {nested_bs} unsupported (only 256)")
             nested_absmax = sd[f"{key}.nested_absmax"].float().reshape(1, -1)
             if nested_absmax.shape[1] != -(-nb // NESTED_BLOCKSIZE):
-                raise ValueError(f"{key}.nested_absmax: {nested_absmax.shape[1]} values, expected "
+                raise MoeqError(f"{key}.nested_absmax: {nested_absmax.shape[1]} values, expected "
                                  f"{-(-nb // NESTED_BLOCKSIZE)}")
             nested_code = sd[f"{key}.nested_quant_map"].float()
             absmax = absmax.to(torch.uint8)
         else:
             absmax = absmax.float()
         code = sd.get(f"{key}.quant_map", code4(quant_type)).float()
-        return cls(packed=packed.reshape(1, -1), absmax=absmax.reshape(1, -1), code=code, offset=offset,
-                   nested_absmax=nested_absmax, nested_code=nested_code, quant_type=quant_type,
-                   blocksize=blocksize, shape=shape, dtype=dtype)
+        return cls(packed=packed.reshape(1, -1), absmax=absmax.reshape(1, -1), code=code.reshape(-1), offset=offset,
+                   nested_absmax=nested_absmax, nested_code=None if nested_code is None else nested_code.reshape(-1),
+                   quant_type=quant_type, blocksize=blocksize, shape=shape, dtype=dtype).validate(key)
 
 
 def _bounds(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,7 +366,7 @@ def _quantize_search(w, blocksize, quant_type, candidates, packed, absmax, name)
 
     check_finite(w, name)
     if (w.numel() // packed.shape[0]) % blocksize:
-        raise ValueError(f"tensor {name or '<unnamed>'}: absmax search needs whole blocks of {blocksize}")
+        raise MoeqError(f"tensor {name or '<unnamed>'}: absmax search needs whole blocks of {blocksize}")
     bounds, order = (t.to(w.device) for t in _bounds(quant_type))
     code_sorted = code4(quant_type).to(w.device)[order]
     blocks, pb, ab = w.reshape(-1, blocksize), packed.view(-1, blocksize // 2), absmax.view(-1)
@@ -351,7 +413,7 @@ def quantize(
     if slices is None:
         slices = w.shape[0] if w.ndim >= 3 else 1
     if slices < 1 or w.numel() % slices:
-        raise ValueError(f"tensor {name or '<unnamed>'}: {w.numel()} values cannot be split in {slices} slices")
+        raise MoeqError(f"tensor {name or '<unnamed>'}: {w.numel()} values cannot be split in {slices} slices")
     n = w.numel() // slices
     nb = -(-n // blocksize)
     bounds, order = (t.to(w.device) for t in _bounds(quant_type))
@@ -380,6 +442,6 @@ def quantize(
         offset = absmax.mean(dim=1)
         nested_code = dynamic_map().to(w.device)
         absmax, nested_absmax = quantize_blockwise8(absmax - offset.unsqueeze(-1), nested_code)
-    return Bnb4Weight(packed=packed, absmax=absmax, code=code4(quant_type).to(w.device), offset=offset,
-                      nested_absmax=nested_absmax, nested_code=nested_code, quant_type=quant_type,
-                      blocksize=blocksize, shape=tuple(w.shape), dtype=w.dtype)
+    return check_result(Bnb4Weight(packed=packed, absmax=absmax, code=code4(quant_type).to(w.device), offset=offset,
+                                   nested_absmax=nested_absmax, nested_code=nested_code, quant_type=quant_type,
+                                   blocksize=blocksize, shape=tuple(w.shape), dtype=w.dtype), w, name)

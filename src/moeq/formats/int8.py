@@ -10,7 +10,10 @@ import dataclasses
 
 import torch
 
-from moeq.formats.base import PackedWeight, check_finite, check_float, row_chunks, tensor_field
+from moeq.formats.base import (
+    PackedWeight, bad_stats, check_finite, check_result, check_float, expect_tensor, row_chunks, tensor_field,
+)
+from moeq.errors import MoeqError
 
 INV127 = 7.874015718698502e-3  # bitsandbytes' reciprocal of 127
 
@@ -22,6 +25,11 @@ class Int8Weight(PackedWeight):
     shape: tuple[int, ...] = ()
     dtype: torch.dtype = torch.bfloat16
     format = "int8"
+
+    def _problems(self) -> list[str]:
+        out = expect_tensor(self.weight, "weight", self.shape, (torch.int8,))
+        out += expect_tensor(self.scb, "SCB", self.shape[:-1], (torch.float32,))
+        return out or bad_stats(self.scb, "SCB", torch.finfo(self.dtype).max, nonneg=True)
 
     def __getitem__(self, idx: int) -> Int8Weight:
         return dataclasses.replace(self, weight=self.weight[idx], scb=self.scb[idx], shape=self.shape[1:])
@@ -50,7 +58,7 @@ class Int8Weight(PackedWeight):
     def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """transformers+bitsandbytes ``Linear8bitLt`` keys (2-D weights only)."""
         if self.weight.ndim != 2:
-            raise ValueError(f"a bnb int8 state dict holds a 2-D weight; got shape {self.shape}: index [expert] first")
+            raise MoeqError(f"a bnb int8 state dict holds a 2-D weight; got shape {self.shape}: index [expert] first")
         return {f"{prefix}weight": self.weight, f"{prefix}SCB": self.scb,
                 f"{prefix}weight_format": torch.tensor(0, dtype=torch.uint8)}
 
@@ -60,15 +68,21 @@ class Int8Weight(PackedWeight):
         w, scb = sd.get(f"{prefix}weight"), sd.get(f"{prefix}SCB")
         if w is None or scb is None:
             missing = [k for k in (f"{prefix}weight", f"{prefix}SCB") if sd.get(k) is None]
-            raise ValueError(f"int8 weight: missing {missing}")
+            raise MoeqError(f"int8 weight: missing {missing}")
         if w.dtype != torch.int8:
-            raise ValueError(f"{prefix}weight: expected int8, got {w.dtype}")
+            raise MoeqError(f"{prefix}weight: expected int8, got {w.dtype}")
+        if w.ndim < 2 or w.numel() == 0:
+            raise MoeqError(f"{prefix}weight: expected a non-empty [..., N, K] int8 weight, got {list(w.shape)}")
+        if scb.dtype != torch.float32:
+            raise MoeqError(f"{prefix}SCB: dtype {scb.dtype}, expected float32")
         if scb.shape != w.shape[:-1]:
-            raise ValueError(f"{prefix}SCB: shape {tuple(scb.shape)} does not match weight rows {tuple(w.shape[:-1])}")
+            raise MoeqError(f"{prefix}SCB: shape {tuple(scb.shape)} does not match weight rows {tuple(w.shape[:-1])}")
         fmt = sd.get(f"{prefix}weight_format")
+        if fmt is not None and (fmt.numel() != 1 or fmt.is_floating_point() or fmt.dtype == torch.bool):
+            raise MoeqError(f"{prefix}weight_format: expected one integer, got {fmt.dtype} {list(fmt.shape)}")
         if fmt is not None and int(fmt.reshape(-1)[0]) != 0:
-            raise ValueError(f"{prefix}weight_format: only row-major (0) is supported, got {int(fmt.reshape(-1)[0])}")
-        return cls(weight=w, scb=scb.float(), shape=tuple(w.shape), dtype=dtype)
+            raise MoeqError(f"{prefix}weight_format: only row-major (0) is supported, got {int(fmt.reshape(-1)[0])}")
+        return cls(weight=w, scb=scb, shape=tuple(w.shape), dtype=dtype).validate(f"{prefix}weight")
 
 
 def quantize(w: torch.Tensor, name: str | None = None) -> Int8Weight:
@@ -81,9 +95,10 @@ def quantize(w: torch.Tensor, name: str | None = None) -> Int8Weight:
     for a, c in row_chunks(rows.shape[0], k):
         b = rows[a:c].to(torch.float16)
         if not torch.isfinite(b).all():
-            raise ValueError(f"tensor {name or '<unnamed>'} overflows fp16 (|w| > 65504), which LLM.int8 requires")
+            raise MoeqError(f"tensor {name or '<unnamed>'} overflows fp16 (|w| > 65504), which LLM.int8 requires")
         s = b.abs().amax(-1).float()
         safe = torch.where(s == 0, 1.0, s)
         q[a:c] = torch.round(b * (127.0 / safe).unsqueeze(-1))
         scb[a:c] = s
-    return Int8Weight(weight=q.reshape(w.shape), scb=scb.reshape(w.shape[:-1]), shape=tuple(w.shape), dtype=w.dtype)
+    return check_result(Int8Weight(weight=q.reshape(w.shape), scb=scb.reshape(w.shape[:-1]), shape=tuple(w.shape),
+                                   dtype=w.dtype), w, name)

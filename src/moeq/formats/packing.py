@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from moeq.formats.base import choice_error
+from moeq.errors import MoeqError
 
 PACK_BITS = (2, 3, 4, 8)
 
@@ -32,7 +33,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     k = codes.shape[-1]
     n = codes_per_unit(bits)
     if k % n:
-        raise ValueError(f"{bits}-bit packing needs the last dim to be a multiple of {n}, got {k}")
+        raise MoeqError(f"{bits}-bit packing needs the last dim to be a multiple of {n}, got {k}")
     if bits == 8:
         return codes.to(torch.uint8)
     c = codes.to(torch.uint8).unflatten(-1, (k // n, n))  # [..., K/n, n]

@@ -22,8 +22,11 @@ import dataclasses
 
 import torch
 
-from moeq.formats.base import PackedWeight, check_finite, check_float, choice_error, row_chunks, tensor_field
+from moeq.formats.base import (
+    PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, expect_tensor, row_chunks, tensor_field,
+)
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
+from moeq.errors import MoeqError
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up to 4096 is accepted too
@@ -46,9 +49,38 @@ class RTNWeight(PackedWeight):
     dtype: torch.dtype = torch.bfloat16
     format = "rtn"
 
+    _META_TYPES = {"bits": int, "group_size": int, "grid": str}
+
     @property
     def symmetric(self) -> bool:
         return self.zero is None
+
+    def _problems(self) -> list[str]:
+        k, lead = self.shape[-1], self.shape[:-1]
+        if self.bits not in BITS:
+            return [f"bits {self.bits!r} not in {list(BITS)}"]
+        if not valid_group_size(self.group_size):
+            return [f"group_size {self.group_size!r} is not a multiple of 16 up to 4096 or -1"]
+        gs = k if self.group_size == -1 else self.group_size
+        if k % gs or k % codes_per_unit(self.bits):
+            return [f"K={k} is not a multiple of group_size {gs} and of {codes_per_unit(self.bits)} "
+                    f"({self.bits}-bit packing)"]
+        if self.grid not in (*GRIDS, "asym"):
+            return [f"grid {self.grid!r} not in {[*GRIDS, 'asym']}"]
+        if (self.grid == "asym") != (self.zero is not None):
+            return ["an asymmetric grid needs its zero points" if self.zero is None else
+                    f"zero points given for the symmetric grid {self.grid!r}"]
+        out = expect_tensor(self.qdata, "qdata", (*lead, packed_size(k, self.bits)), (torch.uint8,))
+        out += expect_tensor(self.scale, "scale", (*lead, k // gs), (torch.bfloat16, torch.float16, torch.float32))
+        if self.zero is not None:
+            out += expect_tensor(self.zero, "zero", (*lead, k // gs), (torch.uint8,))
+        if out:
+            return out
+        maxq = (1 << self.bits) - 1
+        if self.zero is not None and self.zero.numel() and int(self.zero.max()) > maxq:
+            out.append(f"zero holds points above {maxq}, the {self.bits}-bit maximum")
+        reach = maxq if self.zero is not None else 1 << (self.bits - 1)  # the largest |q - zero|
+        return out + bad_stats(self.scale, "scale", torch.finfo(self.dtype).max / reach)
 
     def __getitem__(self, idx: int) -> RTNWeight:
         """The weight of one index along the leading (expert) dim, as views."""
@@ -96,7 +128,7 @@ def _groups(w: torch.Tensor, group_size: int, name: str | None) -> tuple[torch.T
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
     if k % gs:
-        raise ValueError(
+        raise MoeqError(
             f"tensor {name or '<unnamed>'}: last dim {k} is not divisible by group_size {group_size}; "
             f"use a group size dividing {k} or group_size=-1 (one group per row)"
         )
@@ -123,21 +155,21 @@ def quantize(
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if not valid_group_size(group_size):
-        raise ValueError(f"unsupported RTN group_size {group_size}; valid choices: a multiple of 16 up to 4096 "
+        raise MoeqError(f"unsupported RTN group_size {group_size}; valid choices: a multiple of 16 up to 4096 "
                          f"(e.g. {list(GROUP_SIZES[:-1])}) or -1 (one group per row)")
     if grid not in GRIDS:
         raise choice_error("RTN grid", grid, GRIDS)
     check_float(w, name)
     if w.shape[-1] % codes_per_unit(bits):
-        raise ValueError(f"tensor {name or '<unnamed>'}: last dim {w.shape[-1]} must be a multiple of "
+        raise MoeqError(f"tensor {name or '<unnamed>'}: last dim {w.shape[-1]} must be a multiple of "
                          f"{codes_per_unit(bits)} for {bits}-bit packing")
     _groups(w, group_size, name)  # validates divisibility
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
     if (search or refine) and symmetric and grid != "vllm":
-        raise ValueError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
+        raise MoeqError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
     if hqq and symmetric:
-        raise ValueError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
+        raise MoeqError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
     if (native and not (search or refine or hqq) and (grid == "vllm" or not symmetric) and bits in (4, 8)
             and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
         native = _quantize_native(w, bits, gs, symmetric)
@@ -145,8 +177,9 @@ def quantize(
             qdata, scale, zero = native
             if not torch.isfinite(scale).all():  # the kernel marks groups holding NaN/Inf
                 check_finite(w, name)
-            return RTNWeight(qdata=qdata, scale=scale, zero=zero, bits=bits, group_size=group_size,
-                             grid="vllm" if symmetric else "asym", shape=tuple(w.shape), dtype=w.dtype)
+            return check_result(RTNWeight(qdata=qdata, scale=scale, zero=zero, bits=bits, group_size=group_size,
+                                          grid="vllm" if symmetric else "asym", shape=tuple(w.shape), dtype=w.dtype),
+                                w, name)
     check_finite(w, name)
     rows = w.reshape(-1, k)
     qdata = torch.empty(rows.shape[0], packed_size(k, bits), dtype=torch.uint8, device=w.device)
@@ -172,7 +205,7 @@ def quantize(
         if zero is not None:
             zero[a:b] = z
     lead = w.shape[:-1]
-    return RTNWeight(
+    return check_result(RTNWeight(
         qdata=qdata.reshape(*lead, -1),
         scale=scale.reshape(*lead, -1),
         zero=None if zero is None else zero.reshape(*lead, -1),
@@ -181,7 +214,7 @@ def quantize(
         grid="asym" if not symmetric else grid,
         shape=tuple(w.shape),
         dtype=w.dtype,
-    )
+    ), w, name)
 
 
 def _quantize_native(w: torch.Tensor, bits: int, gs: int, symmetric: bool = True):

@@ -7,6 +7,7 @@ import importlib.util
 import torch
 
 from moeq.formats import PackedWeight
+from moeq.errors import MoeqError
 
 
 def check_device(device: str | torch.device | None) -> torch.device:
@@ -15,19 +16,19 @@ def check_device(device: str | torch.device | None) -> torch.device:
     try:
         dev = torch.device(device if device is not None else "cpu")
     except RuntimeError:
-        raise ValueError(unsupported) from None
+        raise MoeqError(unsupported) from None
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
-        raise ValueError(unsupported)
+        raise MoeqError(unsupported)
     if not torch.cuda.is_available():
-        raise ValueError(f"device {str(dev)!r}: no GPU is usable here (torch {torch.__version__} was built "
+        raise MoeqError(f"device {str(dev)!r}: no GPU is usable here (torch {torch.__version__} was built "
                          f"{'without CUDA' if torch.version.cuda is None and torch.version.hip is None else 'with CUDA'}"
                          f", torch.cuda.is_available() is False)")
     if importlib.util.find_spec("triton") is None:
         raise ImportError(f"device {str(dev)!r} needs Triton for moeq's GPU kernels: pip install 'moeq[gpu]'")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(dev)!r}: only {torch.cuda.device_count()} GPU(s) present")
+        raise MoeqError(f"device {str(dev)!r}: only {torch.cuda.device_count()} GPU(s) present")
     return dev
 
 
