@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import moeq
+from moeq.io.writer import MARKER
 from transformers import AutoTokenizer
 from moeq.cli import main
 from moeq.export import export
@@ -90,7 +91,7 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
     out = tmp_path / "gguf"
     summary = export(m, out, "gguf", source=src)
     path = out / "model.gguf"
-    assert summary["requantized"] == [] and sorted(p.name for p in out.iterdir()) == ["model.gguf"]
+    assert summary["requantized"] == [] and sorted(p.name for p in out.iterdir()) == [MARKER, "model.gguf"]
     qtype = method.upper()
     types = gguf_types(path)
     assert types["blk.1.ffn_gate_exps.weight"] == types["blk.0.attn_q.weight"] == qtype

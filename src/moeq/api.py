@@ -13,7 +13,7 @@ from moeq.arch import get_arch
 from moeq.config import FormatConfig, QuantConfig
 from moeq.convert import ExpertsBuilder, activation_for, install_experts, is_experts, quantize_linear, set_module
 from moeq.formats import PackedWeight
-from moeq.io.writer import atomic_dir, copy_side_files, unique_tensors, write_shards
+from moeq.io.writer import atomic_dir, copy_side_files, model_sources, unique_tensors, write_shards
 from moeq.loader import quantization_config
 from moeq.nn.packed import get_packed
 
@@ -52,7 +52,7 @@ def save(model: nn.Module, out: str | os.PathLike, overwrite: bool = False, sour
     generation files are copied from ``source`` when given."""
     out = Path(out)
     qc = getattr(model.config, "quantization_config", None)
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, model_sources(model, source)) as tmp:
         items = list(unique_tensors(model.state_dict().items()))  # tied weights saved once
         kw = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
         write_shards(iter(items), tmp, {"format": "pt", "producer": "moeq"}, **kw)

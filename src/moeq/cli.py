@@ -27,16 +27,62 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _int_at_least(lo: int, hi: int = 1 << 31):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}, got {v}")
+        return v
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < v if lo_open else lo <= v) or not v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {text}")
+        return v
+    return parse
+
+
+def _group_size(text: str) -> int:
+    v = _int_at_least(-1, 4096)(text)
+    if v == 0 or v < -1:
+        raise argparse.ArgumentTypeError("must be a positive group/block size or -1 (one group per row)")
+    return v
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _quant_config(args):
     from moeq.config import QuantConfig, method
 
     rules = []
     for r in args.rule or []:
-        if "=" not in r:
+        pat, _, m = r.rpartition("=")
+        if not pat.strip() or not m:
             raise MoeqError(f"--rule {r!r}: expected PATTERN=METHOD, e.g. 'lm_head=rtn-int8'")
-        pat, m = r.rsplit("=", 1)
         rules.append((pat, method(m, args.group_size)))
     return QuantConfig(method(args.method, args.group_size), tuple(rules))
+
+
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # an untrusted folder parsed by transformers/tokenizers: the failure is the folder's
+        raise MoeqError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from None
 
 
 def _dtype(name: str | None):
@@ -48,10 +94,11 @@ def _dtype(name: str | None):
 def cmd_quantize(args) -> int:
     import moeq
 
-    out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     from moeq.io.safetensors_io import Checkpoint
+    from moeq.io.writer import check_target
+
+    out = Path(args.out)
+    check_target(out, args.overwrite, [args.src])  # before hours of work, not after
 
     src_bytes = sum(i.nbytes for i in Checkpoint(args.src).tensors.values())
     t0 = time.perf_counter()
@@ -78,16 +125,13 @@ def cmd_quantize(args) -> int:
 
 def cmd_generate(args) -> int:
     import torch
-    from transformers import AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
     import moeq
 
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
                       progress=False, device=args.device)
-    try:
-        tok = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError) as e:
-        raise MoeqError(f"{args.model}: no usable tokenizer ({e})") from None
+    tok = _tokenizer(args.model)
     ids = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
     torch.manual_seed(args.seed)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.eos_token_id)
@@ -122,7 +166,9 @@ def cmd_inspect(args) -> int:
 def cmd_export(args) -> int:
     import moeq
     from moeq.export import export
+    from moeq.io.writer import check_target
 
+    check_target(Path(args.out), args.overwrite, [args.model])
     model = moeq.load(args.model, progress=not args.json)
     summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model,
                      progress=not args.json)
@@ -139,8 +185,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from transformers import AutoTokenizer
-
     import moeq
     from moeq.eval import check_compatible, evaluate, tokenize
 
@@ -150,7 +194,7 @@ def cmd_eval(args) -> int:
             texts.append(Path(f).read_text(encoding="utf-8", errors="replace"))
         except OSError as e:
             raise FileNotFoundError(f"--text {f}: {e.strerror}") from None
-    tok, ref_tok = AutoTokenizer.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.ref)
+    tok, ref_tok = _tokenizer(args.model), _tokenizer(args.ref)
     quant = _quant_config(args) if args.method else None
     model = moeq.load(args.model, quant=quant, dtype=_dtype(args.dtype), progress=not args.json)
     ref = moeq.load(args.ref, dtype=_dtype(args.dtype), progress=not args.json)
@@ -215,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def method_args(sp, default):
         sp.add_argument("--method", default=default, choices=sorted(METHODS))
-        sp.add_argument("--group-size", type=int, default=None, help="RTN group / bnb block size")
+        sp.add_argument("--group-size", type=_group_size, default=None, help="RTN group / bnb block size")
         sp.add_argument("--rule", action="append", metavar="PATTERN=METHOD",
                         help="per-module override, glob on module names, e.g. 'lm_head=rtn-int8' (repeatable)")
         sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype")
@@ -232,12 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text (streams tokens)")
     g.add_argument("model")
-    g.add_argument("-p", "--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("-p", "--prompt", required=True, type=_nonempty)
+    g.add_argument("--max-new-tokens", type=_int_at_least(1, 1 << 20), default=32)
     method_args(g, None)
     g.add_argument("--sample", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--temperature", type=_float_in(0.0, 100.0, lo_open=True), default=0.8)
+    g.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=0.95)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
@@ -265,29 +309,29 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("model")
     ev.add_argument("--ref", required=True, help="reference model (e.g. the bf16 source)")
     ev.add_argument("--text", nargs="+", required=True)
-    ev.add_argument("--ctx", type=int, default=512)
-    ev.add_argument("--max-tokens", type=int, default=None)
+    ev.add_argument("--ctx", type=_int_at_least(2, 1 << 20), default=512)
+    ev.add_argument("--max-tokens", type=_int_at_least(3), default=None)
     method_args(ev, None)
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="CPU speed side by side: transformers bf16, transformers+bnb, moeq presets")
     b.add_argument("--model", help="checkpoint dir (default: Qwen3-30B-A3B shapes cut to --layers, generated once)")
-    b.add_argument("--layers", type=int, default=4)
-    b.add_argument("--vocab", type=int, default=None)
+    b.add_argument("--layers", type=_int_at_least(1, 1024), default=4)
+    b.add_argument("--vocab", type=_int_at_least(2, 1 << 24), default=None)
     b.add_argument("--cache", default=str(Path.home() / ".cache" / "moeq-bench"))
     b.add_argument("--systems", nargs="+", default=["transformers bf16", "transformers+bnb nf4", "moeq rtn-int4",
                                                      "moeq rtn-int8", "moeq nf4"])
-    b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    b.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
-    b.add_argument("--new-tokens", type=int, default=128)
-    b.add_argument("--group-size", type=int, default=128, help="RTN group of the moeq presets")
+    b.add_argument("--batches", type=_int_at_least(1, 4096), nargs="+", default=[1, 4, 16])
+    b.add_argument("--prefill", type=_int_at_least(1, 1 << 20), nargs="+", default=[512, 2048])
+    b.add_argument("--new-tokens", type=_int_at_least(1, 1 << 20), default=128)
+    b.add_argument("--group-size", type=_group_size, default=128, help="RTN group of the moeq presets")
     b.add_argument("--out", default="benchmarks/results/cpu.json")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the built-in default job")
     d.add_argument("--arch", default="qwen3_moe")
-    d.add_argument("--shape", type=int, nargs=3, default=[8, 1536, 2048], metavar=("E", "N", "K"))
+    d.add_argument("--shape", type=_int_at_least(1, 1 << 16), nargs=3, default=[8, 1536, 2048], metavar=("E", "N", "K"))
     d.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     d.set_defaults(func=cmd_demo)
     return p
@@ -298,9 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"moeq: error: {e}", file=sys.stderr)
+    except (MoeqError, OSError) as e:  # bad input, missing/unwritable files, disk full: one line, nothing left
+        msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror}"
+        print(f"moeq: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("moeq: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

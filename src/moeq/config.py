@@ -158,6 +158,8 @@ def method(name: str, group_size: int | None = None) -> FormatConfig:
         raise MoeqError(f"unknown method {name!r}; valid: {sorted(METHODS)}")
     cfg = METHODS[name]
     if group_size is not None:
+        if not isinstance(cfg, (RTN, BNB4)):
+            raise MoeqError(f"method {name!r} has no group size: --group-size applies to rtn-* and nf4/fp4 methods")
         if isinstance(cfg, RTN):
             cfg = dataclasses.replace(cfg, group_size=group_size)
         elif isinstance(cfg, BNB4):

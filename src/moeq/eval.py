@@ -30,6 +30,8 @@ class EvalResult:
 
 def windows(n: int, ctx: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored position within the window) covering ``n`` tokens."""
+    if type(ctx) is not int or ctx < 2:
+        raise MoeqError(f"ctx must be an integer >= 2 (windows advance by ctx // 2), got {ctx!r}")
     if n < ctx + 1:
         raise MoeqError(f"text too short: {n} tokens, need at least ctx + 1 = {ctx + 1} for one window "
                          f"(give more text or a smaller --ctx)")

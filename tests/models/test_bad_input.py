@@ -126,11 +126,17 @@ def test_out_exists_and_crash_mid_write(tiny_ckpt, tmp_path, monkeypatch, capsys
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
 
+    assert main(["quantize", str(src), str(out), "--method", "rtn-int4", "--overwrite"]) == 2  # not moeq's
+    assert "not a moeq output" in capsys.readouterr().err and (out / "keep.txt").read_text() == "precious"
+
+    prev = tmp_path / "prev"
+    assert main(["quantize", str(src), str(prev), "--method", "rtn-int4"]) == 0
+    before = {p.name: p.read_bytes() for p in prev.iterdir()}
     monkeypatch.setattr(writer, "save_file", boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        main(["quantize", str(src), str(out), "--method", "rtn-int4", "--overwrite"])
-    assert (out / "keep.txt").read_text() == "precious"  # old output intact
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dir left behind
+        main(["quantize", str(src), str(prev), "--method", "rtn-int4", "--overwrite"])
+    assert {p.name: p.read_bytes() for p in prev.iterdir()} == before  # old output intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "prev"]  # no temp dir left behind
     new = tmp_path / "new"
     with pytest.raises(RuntimeError):
         main(["quantize", str(src), str(new), "--method", "nf4"])

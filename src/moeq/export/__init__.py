@@ -14,7 +14,7 @@ from torch import nn
 
 from moeq.arch import get_arch
 from moeq.export import bnb, compressed_tensors, gguf
-from moeq.io.writer import atomic_dir, copy_side_files
+from moeq.io.writer import atomic_dir, copy_side_files, model_sources
 from moeq.errors import MoeqError
 
 EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors, "gguf": gguf}
@@ -28,7 +28,7 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
     if format not in EXPORTERS:
         raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
     arch = get_arch(model.config)
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, model_sources(model, source)) as tmp:
         if format in HF_LAYOUT:
             summary = EXPORTERS[format].export(model, tmp, arch)
             if getattr(model, "generation_config", None) is not None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import re
+import secrets
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -13,9 +17,19 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from moeq.errors import MoeqError
+
+log = logging.getLogger(__name__)
+
 SHARD_BYTES = 4 * 1024**3
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
               "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def model_sources(model, source=None) -> tuple:
+    """Where a model was read from (never to be replaced by writing it): ``source`` and the path transformers'
+    config records."""
+    return (source, getattr(getattr(model, "config", None), "_name_or_path", None) or None)
 
 
 def copy_side_files(source: str | os.PathLike | None, out: Path) -> None:
@@ -27,12 +41,27 @@ def copy_side_files(source: str | os.PathLike | None, out: Path) -> None:
             shutil.copy2(Path(source) / f, out / f)
 
 
+def umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temporary sibling, then rename it into place: readers never see a half-written file."""
+    """Write JSON to a temporary sibling, then rename it into place: readers never see a half-written file. The
+    file gets the umask's normal mode (as ``open`` would give), not ``mkstemp``'s 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
         os.replace(tmp, path)
@@ -42,25 +71,120 @@ def write_json(path: str | os.PathLike, obj) -> None:
         raise
 
 
+MARKER = ".moeq-output.json"  # written last into every output directory: what moeq wrote there
+# What a moeq output directory written before the marker existed may hold (its config.json says quant_method moeq)
+_LEGACY_NAMES = {"config.json", "model.safetensors", "model.safetensors.index.json", *SIDE_FILES}
+_LEGACY_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _is_legacy_output(out: Path) -> bool:
+    try:
+        qc = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == "moeq" and all(
+        (p.name in _LEGACY_NAMES or _LEGACY_SHARD.fullmatch(p.name)) and p.is_file() and not p.is_symlink()
+        for p in out.iterdir())
+
+
+def _written_by_moeq(out: Path) -> str | None:
+    """None when ``out`` holds only what a previous moeq output wrote there, else why it does not."""
+    try:
+        listed = json.loads((out / MARKER).read_text())["files"]
+        listed = set(listed) if isinstance(listed, list) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        return None if _is_legacy_output(out) else "it is not a moeq output (no readable " + MARKER + ")"
+    foreign = sorted(p.name for p in out.iterdir() if p.name != MARKER and p.name not in listed)
+    return f"it holds files moeq did not write there: {foreign[:5]}" if foreign else None
+
+
+def check_target(out: Path, overwrite: bool, sources=()) -> None:
+    """Refuse (raising :class:`MoeqError`, touching nothing) to write ``out`` where replacing it could lose data: it
+    exists without ``overwrite``; it is a link, a file, ``.``, the home or root folder or a mount point; it is or
+    contains a source of the model being written; or it holds anything a previous moeq output did not write."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise MoeqError(f"{out} exists; pass overwrite=True (--overwrite) to replace a previous moeq output there")
+    if out.is_symlink():
+        raise MoeqError(f"{out} is a symbolic link; moeq replaces only directories it wrote: give another path")
+    if not out.is_dir():
+        raise MoeqError(f"{out} is a file, not a moeq output directory; moeq will not replace it")
+    real = out.resolve()
+    for special in (Path.cwd(), Path.home(), Path("/")):
+        if real == special.resolve():
+            raise MoeqError(f"{out} is the current, home or root folder; moeq will not replace it")
+    if os.path.ismount(real):
+        raise MoeqError(f"{out} is a mount point; moeq will not replace it")
+    for src in sources:
+        if src is None:
+            continue
+        s = Path(src).resolve()
+        if s == real or real in s.parents:
+            raise MoeqError(f"{out} is or contains the source {src}; moeq will not replace it")
+    why = _written_by_moeq(out)
+    if why is not None:
+        raise MoeqError(f"{out}: --overwrite replaces only a previous moeq output, and {why}; remove it yourself "
+                        "or choose another path")
+
+
+def _clean_stale(parent: Path, name: str) -> None:
+    """Remove temporary/old siblings that an earlier, killed moeq run on this host left for ``name``."""
+    pat = re.compile(rf"\.{re.escape(name)}\.(tmp|old)-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]+")
+    for p in parent.iterdir():
+        m = pat.fullmatch(p.name)
+        if not m or p.is_symlink() or not p.is_dir() or _alive(int(m[2])):
+            continue
+        log.info("removing %s, left by a killed moeq run", p)
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 @contextlib.contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, sources=()) -> Iterator[Path]:
+    """Write an output directory atomically: everything goes into a temporary sibling, which replaces ``out`` only
+    when complete (a failure removes it and leaves ``out`` as it was). ``overwrite`` replaces only a previous moeq
+    output (see :func:`check_target`; ``sources``: what the written model was read from, never replaced). Folders
+    and files get the umask's normal modes."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    check_target(out, overwrite, sources)
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(parent, out.name)
+    tag = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = parent / f".{out.name}.tmp-{tag}"
+    tmp.mkdir()
     try:
         yield tmp
+        names = sorted(p.name for p in tmp.iterdir())
+        write_json(tmp / MARKER, {"producer": "moeq", "files": names})
+        old = None
+        if out.exists() or out.is_symlink():
+            check_target(out, overwrite, sources)  # again: it may have changed while we wrote
+            old = parent / f".{out.name}.old-{tag}"
+            os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:  # put the previous output back
+                os.replace(old, out)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def unique_tensors(items):

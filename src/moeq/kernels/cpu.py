@@ -40,22 +40,19 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def lib() -> ctypes.CDLL | None:
+    """The native library, built on first use; None (plain-torch paths everywhere) when it cannot be built or
+    loaded: no compiler, no kernel source, an unwritable cache folder, a failed compile."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: moeq uses its plain-torch CPU paths (slower)")
         return None
-    src = SRC.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    so = _cache_dir() / f"libmoeq_cpu_{tag}.so"
-    if not so.exists():
-        so.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-            out = Path(tmp) / so.name
-            proc = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
-            if proc.returncode:
-                log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
-                return None
-            os.replace(out, so)
+    try:
+        so = _build(cc)
+    except OSError as e:
+        log.warning("cannot build moeq CPU kernels (%s): using plain-torch paths (slower)", e)
+        return None
+    if so is None:
+        return None
     try:
         L = ctypes.CDLL(str(so))
     except OSError as e:
@@ -63,6 +60,23 @@ def lib() -> ctypes.CDLL | None:
         return None
     L.moeq_set_threads(torch.get_num_threads())
     return L
+
+
+def _build(cc: str) -> Path | None:
+    src = SRC.read_bytes()
+    tag = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    so = _cache_dir() / f"libmoeq_cpu_{tag}.so"
+    if so.exists():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+        out = Path(tmp) / so.name
+        proc = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode:
+            log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
+            return None
+        os.replace(out, so)
+    return so
 
 
 @functools.cache
