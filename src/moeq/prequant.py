@@ -33,8 +33,12 @@ QS = ".quant_state.bitsandbytes__"
 def inflight_config(qc: dict) -> FormatConfig:
     """The checkpoint's own bitsandbytes settings, for tensors it holds in bf16."""
     if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
-        return BNB4(qc.get("bnb_4bit_quant_type", "nf4"), int(qc.get("bnb_4bit_blocksize", 64) or 64),
-                    bool(qc.get("bnb_4bit_use_double_quant", False)))
+        qt, bs, dq = (qc.get("bnb_4bit_quant_type", "nf4"), qc.get("bnb_4bit_blocksize", 64) or 64,
+                      qc.get("bnb_4bit_use_double_quant", False))
+        if not isinstance(qt, str) or type(bs) is not int or not isinstance(dq, bool):
+            raise MoeqError(f"quantization_config: bnb_4bit_quant_type {qt!r}, bnb_4bit_blocksize {bs!r} or "
+                            f"bnb_4bit_use_double_quant {dq!r} malformed")
+        return BNB4(qt, bs, dq)
     if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
         return Int8()
     raise MoeqError(f"bitsandbytes quantization_config with neither load_in_4bit nor load_in_8bit: {qc}")

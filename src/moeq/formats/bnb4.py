@@ -176,6 +176,8 @@ class Bnb4Weight(PackedWeight):
         absmax = self.resolved_absmax().contiguous()
         code = self.code.float().contiguous()
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
+        cpu.fits((self.packed, self.numel // 2), (absmax, self.numel // self.blocksize * 4), (code, 64),
+                 (out, self.numel * out.element_size()))
         L.moeq_bnb4_dequant(cpu.ptr(self.packed), cpu.ptr(absmax), cpu.ptr(code), cpu.i64(self.numel),
                             cpu.i64(self.blocksize), cpu.ptr(out), int(dtype == torch.bfloat16))
         return out

@@ -42,6 +42,7 @@ class Int8Weight(PackedWeight):
             return None
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         k = self.shape[-1]
+        cpu.fits((self.weight, self.numel), (self.scb, self.numel // k * 4), (out, self.numel * out.element_size()))
         L.moeq_int8_dequant(cpu.ptr(self.weight), cpu.ptr(self.scb), cpu.i64(self.numel // k), cpu.i64(k),
                             cpu.ptr(out), int(dtype == torch.bfloat16))
         return out

@@ -101,6 +101,9 @@ class RTNWeight(PackedWeight):
         k = self.shape[-1]
         gs = k if self.group_size == -1 else self.group_size
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
+        rows, ng = self.numel // k, k // gs
+        cpu.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
+                 (self.zero, rows * ng), (out, self.numel * out.element_size()))
         L.moeq_rtn_dequant(cpu.ptr(self.qdata), cpu.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
                            cpu.ptr(self.zero), self.bits, cpu.i64(self.numel // k), cpu.i64(k), cpu.i64(gs),
                            cpu.ptr(out), int(dtype == torch.bfloat16))

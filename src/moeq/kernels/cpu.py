@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from moeq.errors import MoeqError
+
 log = logging.getLogger(__name__)
 SRC = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -100,6 +102,15 @@ def func(name: str, argtypes: list):
     if fn.argtypes is None:
         fn.argtypes = argtypes
     return fn
+
+
+def fits(*pairs: tuple[torch.Tensor | None, int]) -> None:
+    """Bounds check at the native boundary: each ``(tensor, bytes the kernel will read or write)`` must hold that
+    many bytes. Weights are validated when they enter moeq; this is the last line if an invariant ever breaks."""
+    for t, need in pairs:
+        if t is not None and t.numel() * t.element_size() < need:
+            raise MoeqError(f"refusing a native call: it would touch {need} bytes of a {t.dtype} tensor of shape "
+                            f"{list(t.shape)} ({t.numel() * t.element_size()} bytes); the weight is inconsistent")
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:

@@ -60,6 +60,7 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
         return None
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
+    cpu.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)))
     if x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():  # AVX512-BF16 dot products
         xb = x.reshape(m, k).contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
@@ -140,6 +141,7 @@ def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None,
     code = w.code.float().contiguous()
     if not cpu.usable(w.packed, absmax):
         return None
+    cpu.fits((w.packed, n * k // 2), (absmax, n * k // w.blocksize * 4), (code, 64))
     y = torch.empty(m, n, dtype=torch.float32)
     if x.dtype == torch.bfloat16 and w.blocksize % 64 == 0 and cpu.has_dpbf16():
         xb = _perm64(x.reshape(m, k))
@@ -160,6 +162,7 @@ def int8_gemv(w: Int8Weight, x: torch.Tensor, bias: torch.Tensor | None,
     if m is None or L is None or not cpu.usable(w.weight, w.scb):
         return None
     n, k = w.shape
+    cpu.fits((w.weight, n * k), (w.scb, n * 4))
     xf = x.reshape(m, k).float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     L.moeq_int8_gemv(cpu.ptr(xf), cpu.i64(m), cpu.ptr(w.weight), cpu.ptr(w.scb), cpu.i64(n), cpu.i64(k), cpu.ptr(y))

@@ -34,6 +34,8 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
             return None
         if not cpu.usable(w.qdata, w.scale, w.zero):
             return None
+        ng = e * n * (k // gs)
+        cpu.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
         keep += [w.qdata, w.scale, w.zero]
         return WStack(0, int(dot_bf16), w.qdata.data_ptr(), w.scale.data_ptr(),
                       int(w.scale.dtype == torch.bfloat16),
@@ -46,8 +48,13 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
         tensors = [w.packed, w.absmax, code, w.offset, w.nested_absmax, w.nested_code]
         if not cpu.usable(*tensors):
             return None
-        keep += tensors
         dq = w.offset is not None
+        nb = e * n * k // w.blocksize
+        cpu.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
+        if dq:
+            cpu.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
+                     (w.nested_absmax, w.slices * -(-(nb // w.slices) // 256) * 4))
+        keep += tensors
         return WStack(1, int(dot_bf16 and w.blocksize % 64 == 0), w.packed.data_ptr(), w.absmax.data_ptr(), int(dq),
                       None, 4, w.blocksize, code.data_ptr(),
                       w.offset.data_ptr() if dq else None, w.nested_absmax.data_ptr() if dq else None,
