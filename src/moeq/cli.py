@@ -193,7 +193,7 @@ def cmd_eval(args) -> int:
         try:
             texts.append(Path(f).read_text(encoding="utf-8", errors="replace"))
         except OSError as e:
-            raise FileNotFoundError(f"--text {f}: {e.strerror}") from None
+            raise MoeqError(f"--text {f}: {e.strerror}") from None
     tok, ref_tok = _tokenizer(args.model), _tokenizer(args.ref)
     quant = _quant_config(args) if args.method else None
     model = moeq.load(args.model, quant=quant, dtype=_dtype(args.dtype), progress=not args.json)

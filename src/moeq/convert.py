@@ -10,6 +10,7 @@ from torch import nn
 from moeq.arch import Arch
 from moeq.config import FormatConfig, Keep
 from moeq.formats import PackedWeight
+from moeq.formats.base import check_finite
 from moeq.nn import Activation, Llama4MoeAdapter, QuantExperts, QuantLinear
 from moeq.errors import MoeqError
 
@@ -89,6 +90,8 @@ class ExpertsBuilder:
         self._check_piece(e, kind, w.shape, where)
         w = w.to(self.dtype)
         q = self.fmt.quantize(w, name=where)
+        if q is None:
+            check_finite(w, where)
         self.pieces[(e, kind)] = w.clone() if q is None else q
 
     def put_packed(self, e: int, kind: str, q: PackedWeight, key: str) -> None:
@@ -115,6 +118,7 @@ class ExpertsBuilder:
         if tuple(b.shape) != want:
             raise MoeqError(f"{key}: shape {list(b.shape)} does not match the config (expected {list(want)})")
         self._check_open(key)
+        check_finite(b, key)
         self.biases[param] = (split_gate_up_bias(self.arch, b) if param == "gate_up_proj" else b).to(self.dtype)
 
     def missing(self) -> list[str]:

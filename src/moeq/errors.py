@@ -6,3 +6,7 @@ from __future__ import annotations
 
 class MoeqError(ValueError):
     """Bad input, named: a checkpoint, tensor, metadata key, config value or argument that moeq refuses."""
+
+
+class CheckpointNotFound(MoeqError, FileNotFoundError):
+    """A checkpoint, shard or file that should exist does not (both a MoeqError and a FileNotFoundError)."""

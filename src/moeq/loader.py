@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -26,10 +27,11 @@ from moeq.convert import (
     set_module,
 )
 from moeq.formats import WEIGHT_TYPES
+from moeq.formats.base import check_finite
 from moeq.io.safetensors_io import Checkpoint
 from moeq.nn import Activation, QuantExperts, QuantLinear, attention, decode
 from moeq.nn.linear import canonicalize_head_input
-from moeq.errors import MoeqError
+from moeq.errors import CheckpointNotFound, MoeqError
 
 log = logging.getLogger(__name__)
 QUANT_METHOD = "moeq"
@@ -115,6 +117,8 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, key: str) -> None:
         mod = model.get_submodule(mod_name) if mod_name else model
     except AttributeError:
         raise MoeqError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise MoeqError(f"{key}: {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/Inf)")
     if attr in mod._parameters:
         cur = mod._parameters[attr]
         if cur is not None and tuple(cur.shape) != tuple(t.shape):
@@ -174,6 +178,7 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
 
 def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.Module:
     ckpt = Checkpoint(path)
+    _precheck_config_json(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # an untrusted file parsed by transformers: any failure is the file's
@@ -193,6 +198,23 @@ def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.
         return load_prequantized(path, ckpt, config, qc, quant, dtype, progress)
     ckpt.device = device  # in flight: each tensor is read onto the device and quantized there
     return _load_streaming(path, ckpt, config, QuantConfig.of(quant or "none"), dtype, progress)
+
+
+def _precheck_config_json(path: Path) -> None:
+    """What transformers would trip over with an unrelated traceback: config.json must be a JSON object, and its
+    quantization_config (when present) an object too."""
+    f = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{f}: no config.json beside the weights") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise MoeqError(f"{f}: unreadable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise MoeqError(f"{f}: must hold a JSON object, got {type(cfg).__name__}")
+    qc = cfg.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise MoeqError(f"{f}: quantization_config must be an object, got {type(qc).__name__}")
 
 
 def _load_streaming(path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dtype, progress: bool) -> nn.Module:
@@ -266,7 +288,9 @@ def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pen
         set_module(model, mod_name, quantize_linear(mod_name, w, bias, linears.pop(mod_name)))
         return
     if mod_name in linears and attr == "bias":
-        pending_bias[mod_name] = ckpt.read(key).to(model.get_submodule(mod_name).weight.dtype)
+        b = ckpt.read(key)
+        check_finite(b, key)
+        pending_bias[mod_name] = b.to(model.get_submodule(mod_name).weight.dtype)
         return
     _set_or_note_unused(model, name, ckpt.read(key), key, unused)
 
@@ -401,5 +425,7 @@ def _saved_tensor(path: Path, ckpt: Checkpoint, key: str, shape: tuple, dtype: t
     t = ckpt.mmap(key)
     if tuple(t.shape) != tuple(shape) or not t.is_floating_point():
         raise MoeqError(f"{path}: tensor {key}: {t.dtype} {list(t.shape)}, expected a float tensor {list(shape)}")
+    if not torch.isfinite(t).all():
+        raise MoeqError(f"{path}: tensor {key}: non-finite value(s) (NaN/Inf)")
     used.add(key)
     return t if t.dtype == dtype else t.to(dtype)

@@ -34,7 +34,7 @@ def check_finite(w: torch.Tensor, name: str | None) -> None:
     """Refuse NaN/Inf weights: they would silently poison every value sharing their scale."""
     if not torch.isfinite(w).all():
         bad = (~torch.isfinite(w)).sum().item()
-        raise MoeqError(f"tensor {name or '<unnamed>'} has {bad} non-finite value(s) (NaN/Inf); refusing to quantize")
+        raise MoeqError(f"tensor {name or '<unnamed>'} has {bad} non-finite value(s) (NaN/Inf); refusing it")
 
 
 def check_result(q: "PackedWeight", w: torch.Tensor, name: str | None) -> "PackedWeight":

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from moeq.errors import MoeqError
+from moeq.errors import CheckpointNotFound, MoeqError
 
 _DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
@@ -122,7 +122,7 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike, device: torch.device | str = "cpu"):
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"{path}: no such checkpoint")
+            raise CheckpointNotFound(f"{path}: no such checkpoint")
         self.device = torch.device(device)  # where read() delivers tensors (a GPU: quantized there, in flight)
         self.dir = path if path.is_dir() else path.parent
         weight_map = None
@@ -134,11 +134,11 @@ class Checkpoint:
             files = sorted({path / f for f in weight_map.values()})
             missing = [str(f) for f in files if not f.exists()]
             if missing:
-                raise FileNotFoundError(f"{idx_path}: shard(s) missing: {', '.join(missing)}")
+                raise CheckpointNotFound(f"{idx_path}: shard(s) missing: {', '.join(missing)}")
         elif (path / "model.safetensors").exists():
             files = [path / "model.safetensors"]
         else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+            raise CheckpointNotFound(f"{path}: no model.safetensors or model.safetensors.index.json")
         self.files = files
         self._maps: dict[Path, torch.Tensor] = {}
         self.tensors: dict[str, TensorInfo] = {}

@@ -167,6 +167,10 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, sources=()) -> I
     tmp.mkdir()
     try:
         yield tmp
+        mode = 0o666 & ~umask()
+        for p in tmp.rglob("*"):  # some writers (safetensors) create 0600 files: serve them as open() would
+            if p.is_file() and not p.is_symlink():
+                p.chmod(mode)
         names = sorted(p.name for p in tmp.iterdir())
         write_json(tmp / MARKER, {"producer": "moeq", "files": names})
         old = None
