@@ -119,19 +119,18 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, key: str) -> None:
         raise MoeqError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
     if t.is_floating_point() and not torch.isfinite(t).all():
         raise MoeqError(f"{key}: {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/Inf)")
-    if attr in mod._parameters:
-        cur = mod._parameters[attr]
-        if cur is not None and tuple(cur.shape) != tuple(t.shape):
-            raise MoeqError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
-        dtype = cur.dtype if cur is not None and cur.is_floating_point() else t.dtype
-        mod._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
-    elif attr in mod._buffers:
-        cur = mod._buffers[attr]
-        if cur is not None and tuple(cur.shape) != tuple(t.shape):
-            raise MoeqError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
-        mod._buffers[attr] = t.to(cur.dtype) if cur is not None and cur.is_floating_point() else t
-    else:
+    cur = mod._parameters.get(attr, mod._buffers.get(attr))
+    if cur is None:  # absent, or registered as None (e.g. a Linear built without bias): not the model's
         raise MoeqError(f"{key}: the model has no parameter or buffer {name!r} (unexpected key)")
+    if cur.is_floating_point() and not t.is_floating_point():
+        raise MoeqError(f"{key}: stored as {t.dtype}, but the model holds it as a floating-point tensor")
+    if tuple(cur.shape) != tuple(t.shape):
+        raise MoeqError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
+    dtype = cur.dtype if cur.is_floating_point() else t.dtype
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
+    else:
+        mod._buffers[attr] = t.to(dtype)
 
 
 def _load_generation_config(model: nn.Module, path: Path) -> None:
@@ -264,17 +263,25 @@ def _build_if_complete(model, builders, mod: str) -> None:
         release_memory()
 
 
+def _read_float(ckpt: Checkpoint, key: str, index: int | None = None) -> torch.Tensor:
+    """A weight or bias from a source checkpoint: it must be floating-point (integers would be quantized as values)."""
+    info = ckpt.tensors[key]
+    if not info.dtype.is_floating_point:
+        raise MoeqError(f"{info.file}: tensor {key}: stored as {info.dtype}; a weight or bias must be floating-point")
+    return ckpt.read(key, index)
+
+
 def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pending_bias, unused) -> None:
     name = arch.rename(key)
     m = arch.expert_key_re.match(name) or FUSED_KEY_RE.match(name)
     if m and m["mod"] in builders:
         b = builders[m["mod"]]
         if "e" in m.groupdict():
-            b.put(int(m["e"]), arch.proj_kind(m["proj"]), ckpt.read(key), key)
+            b.put(int(m["e"]), arch.proj_kind(m["proj"]), _read_float(ckpt, key), key)
         elif m["bias"]:
-            b.put_bias(m["param"], ckpt.read(key), key)
+            b.put_bias(m["param"], _read_float(ckpt, key), key)
         else:
-            b.put_fused(m["param"], lambda e: ckpt.read(key, e), ckpt.tensors[key].shape, key)
+            b.put_fused(m["param"], lambda e: _read_float(ckpt, key, e), ckpt.tensors[key].shape, key)
         _build_if_complete(model, builders, m["mod"])
         return
     mod_name, _, attr = name.rpartition(".")
@@ -282,15 +289,22 @@ def _route(model, ckpt: Checkpoint, key: str, arch: Arch, builders, linears, pen
         lin = model.get_submodule(mod_name)
         if tuple(lin.weight.shape) != tuple(ckpt.tensors[key].shape):
             raise MoeqError(f"{key}: shape {list(ckpt.tensors[key].shape)} does not match the config "
-                             f"(expected {list(lin.weight.shape)})")
-        w = ckpt.read(key).to(lin.weight.dtype)
+                            f"(expected {list(lin.weight.shape)})")
+        w = _read_float(ckpt, key).to(lin.weight.dtype)
         bias = existing_bias(lin, pending_bias.pop(mod_name, None))
         set_module(model, mod_name, quantize_linear(mod_name, w, bias, linears.pop(mod_name)))
         return
     if mod_name in linears and attr == "bias":
-        b = ckpt.read(key)
+        lin = model.get_submodule(mod_name)
+        if lin.bias is None:  # the config builds this Linear without a bias
+            unused.append(key)
+            return
+        if tuple(lin.bias.shape) != tuple(ckpt.tensors[key].shape):
+            raise MoeqError(f"{key}: shape {list(ckpt.tensors[key].shape)} does not match the config "
+                            f"(expected {list(lin.bias.shape)})")
+        b = _read_float(ckpt, key)
         check_finite(b, key)
-        pending_bias[mod_name] = b.to(model.get_submodule(mod_name).weight.dtype)
+        pending_bias[mod_name] = b.to(lin.weight.dtype)
         return
     _set_or_note_unused(model, name, ckpt.read(key), key, unused)
 
@@ -372,7 +386,7 @@ def _load_saved(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress:
         for slot, meta in slot_meta.items():
             where = f"{path}: {name}.{slot}"
             fmt = meta.get("format") if isinstance(meta, dict) else None
-            if fmt not in WEIGHT_TYPES:
+            if not isinstance(fmt, str) or fmt not in WEIGHT_TYPES:
                 raise MoeqError(f"{where}: unknown format {fmt!r}; valid: {sorted(WEIGHT_TYPES)}")
             cls = WEIGHT_TYPES[fmt]
             tensors = {}

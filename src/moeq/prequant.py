@@ -30,24 +30,36 @@ log = logging.getLogger(__name__)
 QS = ".quant_state.bitsandbytes__"
 
 
+def bnb_bits(qc: dict) -> int:
+    """4 or 8: which bitsandbytes mode a quantization_config declares (its flags must be booleans and agree)."""
+    flags = {k: qc.get(k) for k in ("load_in_4bit", "_load_in_4bit", "load_in_8bit", "_load_in_8bit")}
+    bad = {k: v for k, v in flags.items() if v is not None and not isinstance(v, bool)}
+    if bad:
+        raise MoeqError(f"quantization_config: {bad} must be true or false")
+    four = bool(flags["load_in_4bit"] or flags["_load_in_4bit"])
+    eight = bool(flags["load_in_8bit"] or flags["_load_in_8bit"])
+    if four == eight:
+        raise MoeqError("bitsandbytes quantization_config must set exactly one of load_in_4bit and load_in_8bit, "
+                        f"got {flags}")
+    return 4 if four else 8
+
+
 def inflight_config(qc: dict) -> FormatConfig:
     """The checkpoint's own bitsandbytes settings, for tensors it holds in bf16."""
-    if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
+    if bnb_bits(qc) == 4:
         qt, bs, dq = (qc.get("bnb_4bit_quant_type", "nf4"), qc.get("bnb_4bit_blocksize", 64) or 64,
                       qc.get("bnb_4bit_use_double_quant", False))
         if not isinstance(qt, str) or type(bs) is not int or not isinstance(dq, bool):
             raise MoeqError(f"quantization_config: bnb_4bit_quant_type {qt!r}, bnb_4bit_blocksize {bs!r} or "
                             f"bnb_4bit_use_double_quant {dq!r} malformed")
         return BNB4(qt, bs, dq)
-    if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
-        return Int8()
-    raise MoeqError(f"bitsandbytes quantization_config with neither load_in_4bit nor load_in_8bit: {qc}")
+    return Int8()
 
 
 def compute_dtype(qc: dict, config, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
-    name = qc.get("bnb_4bit_compute_dtype") if (qc.get("load_in_4bit") or qc.get("_load_in_4bit")) else None
+    name = qc.get("bnb_4bit_compute_dtype") if bnb_bits(qc) == 4 else None
     if isinstance(name, str) and name.removeprefix("torch.") in ("bfloat16", "float16", "float32"):
         return getattr(torch, name.removeprefix("torch."))
     from moeq.loader import _compute_dtype  # noqa: PLC0415
