@@ -172,7 +172,7 @@ def test_bf16_gemv_within_one_rounding_of_exact(cfg, rows, k, wdtype):
     activations are exact within 2^7 of each group's largest, off by <= 2^-16 of it below), so the bf16 output is
     the exact result rounded once, plus fp32 accumulation error (2^-16 of sum |x w|: the codes' +128 offsets are
     summed too), far tighter than bf16 matmul noise."""
-    if not cpu_ops.cpu.has_dpbf16():
+    if not cpu_ops.native.has_dpbf16():
         pytest.skip("built without AVX512-BF16: the fp32 path (tested above) serves bf16 inputs")
     torch.manual_seed(rows)
     w = torch.randn(160, k) * 0.05  # k / group: 1-64 groups per row, some counts not multiples of 16
@@ -253,11 +253,11 @@ def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
     """bf16 QuantLinear at decode sizes (RTN, NF4/FP4) runs as one native call (layout, gemv, rounding, bias): equal
     to the Python kernel path within one bf16 rounding, also on a strided [B, 1, K] view; a new weight rebuilds the
     plan."""
-    from moeq.kernels import cpu
+    from moeq import native
     from moeq.nn import QuantLinear
     from moeq.nn.packed import set_packed
 
-    if not cpu.has_dpbf16():
+    if not native.has_dpbf16():
         pytest.skip("needs AVX512-BF16")
     torch.manual_seed(sum(shape))
     n, k = 320, 512
@@ -285,7 +285,7 @@ def test_rtn8_int16_activations_edge_cases():
     """The 8-bit kernel's int16 activations: a per-channel group longer than 4096 at the codes' extremes (int32
     chunks must not overflow), groups spanning 2^20 in magnitude, an all-zero group, and NaN/Inf (NaN out, not
     garbage)."""
-    if not cpu_ops.cpu.has_dpbf16():
+    if not cpu_ops.native.has_dpbf16():
         pytest.skip("built without AVX512-BF16/VNNI")
     k = 8192
     w = torch.ones(64, k)

@@ -41,9 +41,9 @@ def test_decode_attention_matches_sdpa(hq, hkv, mask):
 def test_native_bf16_decode_attention(hq, hkv, d, mask):
     """bf16 decode steps run natively over the cache as it is: equal to the fp32 torch path within one bf16 rounding;
     per-head masks keep the torch path."""
-    from moeq.kernels import cpu
+    from moeq import native
 
-    if not cpu.has_dpbf16():
+    if not native.has_dpbf16():
         pytest.skip("needs the AVX512-BF16 build")
     torch.manual_seed(hq * d)
     b, s = 3, 23

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import moeq
-from moeq.kernels import cpu
+from moeq import native
 from moeq.nn import decode
 
-pytestmark = pytest.mark.skipif(not cpu.has_dpbf16(), reason="native decode forwards need AVX512-BF16")
+pytestmark = pytest.mark.skipif(not native.has_dpbf16(), reason="native decode forwards need AVX512-BF16")
 
 
 def _installed(model):

@@ -146,14 +146,14 @@ class Bnb4Weight(PackedWeight):
         """fp32 ``[S, nb]`` absmax, undoing double quantization (as bitsandbytes' ``dequantize_4bit``)."""
         if self.offset is None:
             return self.absmax
-        from moeq.kernels import cpu  # noqa: PLC0415
+        from moeq import native  # noqa: PLC0415
 
         s, nb = self.absmax.shape
-        L = cpu.lib()
-        if L is not None and cpu.usable(self.absmax, self.nested_absmax, self.nested_code, self.offset):
+        L = native.lib()
+        if L is not None and native.usable(self.absmax, self.nested_absmax, self.nested_code, self.offset):
             out = torch.empty(s, nb, dtype=torch.float32)
-            L.moeq_bnb4_resolve_absmax(cpu.ptr(self.absmax), cpu.ptr(self.nested_absmax), cpu.ptr(self.nested_code),
-                                       cpu.ptr(self.offset), cpu.i64(s), cpu.i64(nb), cpu.ptr(out))
+            L.moeq_bnb4_resolve_absmax(native.ptr(self.absmax), native.ptr(self.nested_absmax), native.ptr(self.nested_code),
+                                       native.ptr(self.offset), native.i64(s), native.i64(nb), native.ptr(out))
             return out
         nn_ = self.nested_absmax.shape[1]
         vals = self.nested_code[self.absmax.long()]  # [S, nb]
@@ -168,18 +168,18 @@ class Bnb4Weight(PackedWeight):
 
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
         """Values computed in fp32, then cast (as bitsandbytes does); whole blocks per slice only."""
-        from moeq.kernels import cpu  # noqa: PLC0415
+        from moeq import native  # noqa: PLC0415
 
-        L = cpu.lib()
-        if L is None or (self.numel // self.slices) % self.blocksize or not cpu.usable(self.packed, self.absmax):
+        L = native.lib()
+        if L is None or (self.numel // self.slices) % self.blocksize or not native.usable(self.packed, self.absmax):
             return None
         absmax = self.resolved_absmax().contiguous()
         code = self.code.float().contiguous()
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
-        cpu.fits((self.packed, self.numel // 2), (absmax, self.numel // self.blocksize * 4), (code, 64),
+        native.fits((self.packed, self.numel // 2), (absmax, self.numel // self.blocksize * 4), (code, 64),
                  (out, self.numel * out.element_size()))
-        L.moeq_bnb4_dequant(cpu.ptr(self.packed), cpu.ptr(absmax), cpu.ptr(code), cpu.i64(self.numel),
-                            cpu.i64(self.blocksize), cpu.ptr(out), int(dtype == torch.bfloat16))
+        L.moeq_bnb4_dequant(native.ptr(self.packed), native.ptr(absmax), native.ptr(code), native.i64(self.numel),
+                            native.i64(self.blocksize), native.ptr(out), int(dtype == torch.bfloat16))
         return out
 
     def dequantize_reference(self, dtype: torch.dtype | None = None, absmax: torch.Tensor | None = None):
@@ -349,16 +349,16 @@ def quantize_blockwise8(x: torch.Tensor, code: torch.Tensor, blocksize: int = NE
 
 
 def _quantize_native(w, blocksize, bounds, order, packed, absmax) -> bool:
-    from moeq.kernels import cpu  # noqa: PLC0415
+    from moeq import native  # noqa: PLC0415
 
-    L = cpu.lib()
+    L = native.lib()
     w = w.contiguous()
-    if L is None or not cpu.usable(w, packed, absmax):
+    if L is None or not native.usable(w, packed, absmax):
         return False
     order8 = order.to(torch.uint8).contiguous()
-    L.moeq_bnb4_quantize(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(w.numel() // blocksize),
-                         cpu.i64(blocksize), cpu.ptr(bounds.contiguous()), cpu.ptr(order8), cpu.ptr(packed),
-                         cpu.ptr(absmax))
+    L.moeq_bnb4_quantize(native.ptr(w), int(w.dtype == torch.bfloat16), native.i64(w.numel() // blocksize),
+                         native.i64(blocksize), native.ptr(bounds.contiguous()), native.ptr(order8), native.ptr(packed),
+                         native.ptr(absmax))
     return True
 
 

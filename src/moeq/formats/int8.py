@@ -35,16 +35,16 @@ class Int8Weight(PackedWeight):
         return dataclasses.replace(self, weight=self.weight[idx], scb=self.scb[idx], shape=self.shape[1:])
 
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
-        from moeq.kernels import cpu  # noqa: PLC0415
+        from moeq import native  # noqa: PLC0415
 
-        L = cpu.lib()
-        if L is None or not cpu.usable(self.weight, self.scb) or not torch.isfinite(self.scb).all():
+        L = native.lib()
+        if L is None or not native.usable(self.weight, self.scb) or not torch.isfinite(self.scb).all():
             return None
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         k = self.shape[-1]
-        cpu.fits((self.weight, self.numel), (self.scb, self.numel // k * 4), (out, self.numel * out.element_size()))
-        L.moeq_int8_dequant(cpu.ptr(self.weight), cpu.ptr(self.scb), cpu.i64(self.numel // k), cpu.i64(k),
-                            cpu.ptr(out), int(dtype == torch.bfloat16))
+        native.fits((self.weight, self.numel), (self.scb, self.numel // k * 4), (out, self.numel * out.element_size()))
+        L.moeq_int8_dequant(native.ptr(self.weight), native.ptr(self.scb), native.i64(self.numel // k), native.i64(k),
+                            native.ptr(out), int(dtype == torch.bfloat16))
         return out
 
     def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -91,22 +91,22 @@ class RTNWeight(PackedWeight):
         return unpack(self.qdata, self.bits)
 
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
-        from moeq.kernels import cpu  # noqa: PLC0415
+        from moeq import native  # noqa: PLC0415
 
         if self.bits not in (4, 8) or self.scale.dtype not in (torch.bfloat16, torch.float32):
             return None
-        L = cpu.lib()
-        if L is None or not cpu.usable(self.qdata, self.scale, self.zero):
+        L = native.lib()
+        if L is None or not native.usable(self.qdata, self.scale, self.zero):
             return None
         k = self.shape[-1]
         gs = k if self.group_size == -1 else self.group_size
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         rows, ng = self.numel // k, k // gs
-        cpu.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
+        native.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
                  (self.zero, rows * ng), (out, self.numel * out.element_size()))
-        L.moeq_rtn_dequant(cpu.ptr(self.qdata), cpu.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
-                           cpu.ptr(self.zero), self.bits, cpu.i64(self.numel // k), cpu.i64(k), cpu.i64(gs),
-                           cpu.ptr(out), int(dtype == torch.bfloat16))
+        L.moeq_rtn_dequant(native.ptr(self.qdata), native.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
+                           native.ptr(self.zero), self.bits, native.i64(self.numel // k), native.i64(k), native.i64(gs),
+                           native.ptr(out), int(dtype == torch.bfloat16))
         return out
 
     def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -221,23 +221,23 @@ def quantize(
 
 
 def _quantize_native(w: torch.Tensor, bits: int, gs: int, symmetric: bool = True):
-    from moeq.kernels import cpu  # noqa: PLC0415
+    from moeq import native  # noqa: PLC0415
 
-    L = cpu.lib()
+    L = native.lib()
     w = w.contiguous()
-    if L is None or not cpu.usable(w):
+    if L is None or not native.usable(w):
         return None
     k = w.shape[-1]
     rows = w.numel() // k
     qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
     scale = torch.empty(*w.shape[:-1], k // gs, dtype=w.dtype)
     if symmetric:
-        L.moeq_rtn_quantize_sym(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(rows), cpu.i64(k), cpu.i64(gs),
-                                bits, cpu.ptr(qdata), cpu.ptr(scale))
+        L.moeq_rtn_quantize_sym(native.ptr(w), int(w.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs),
+                                bits, native.ptr(qdata), native.ptr(scale))
         return qdata, scale, None
     zero = torch.empty(*w.shape[:-1], k // gs, dtype=torch.uint8)
-    L.moeq_rtn_quantize_asym(cpu.ptr(w), int(w.dtype == torch.bfloat16), cpu.i64(rows), cpu.i64(k), cpu.i64(gs), bits,
-                             cpu.ptr(qdata), cpu.ptr(scale), cpu.ptr(zero))
+    L.moeq_rtn_quantize_asym(native.ptr(w), int(w.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs), bits,
+                             native.ptr(qdata), native.ptr(scale), native.ptr(zero))
     return qdata, scale, zero
 
 

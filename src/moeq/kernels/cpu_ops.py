@@ -9,8 +9,10 @@ import ctypes
 import torch
 
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
-from moeq.kernels import cpu, register
+from moeq import native
+from moeq.kernels import register
 from moeq.kernels.moe_cpu import describe
+from moeq.native import Fmt
 
 MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
 # Measured crossover vs dequantize + AMX bf16 matmul (benchmarks in README): the gemv costs ~linear in rows, the
@@ -53,37 +55,37 @@ def _even_odd(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
              max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
-    L = cpu.lib()
+    L = native.lib()
     if m is None or L is None or w.bits not in (4, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32):
         return None
-    if not cpu.usable(w.qdata, w.scale, w.zero):
+    if not native.usable(w.qdata, w.scale, w.zero):
         return None
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
-    cpu.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)))
-    if x.dtype == torch.bfloat16 and gs % 32 == 0 and cpu.has_dpbf16():  # AVX512-BF16 dot products
+    native.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)))
+    if x.dtype == torch.bfloat16 and gs % 32 == 0 and native.has_dpbf16():  # AVX512-BF16 dot products
         xb = x.reshape(m, k).contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         if w.bits == 8:
-            if not L.moeq_rtn8_gemv_bf16(cpu.ptr(xb), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
-                                         int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n),
-                                         cpu.i64(k), cpu.i64(gs), cpu.ptr(y)):
+            if not L.moeq_rtn8_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale),
+                                         int(w.scale.dtype == torch.bfloat16), native.ptr(w.zero), native.i64(n),
+                                         native.i64(k), native.i64(gs), native.ptr(y)):
                 return None
             return _finish(y, x, n, bias)
         xsum = xb.float().view(m, k // gs, gs).sum(-1).contiguous()
         p64 = gs % 64 == 0
         xb = _perm64(xb) if p64 else xb
-        L.moeq_rtn4_gemv_bf16(cpu.ptr(xb), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
-                              int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), cpu.i64(n), cpu.i64(k),
-                              cpu.i64(gs), cpu.ptr(y), int(p64))
+        L.moeq_rtn4_gemv_bf16(native.ptr(xb), native.ptr(xsum), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale),
+                              int(w.scale.dtype == torch.bfloat16), native.ptr(w.zero), native.i64(n), native.i64(k),
+                              native.i64(gs), native.ptr(y), int(p64))
         return _finish(y, x, n, bias)
     xf = x.reshape(m, k).float().contiguous()
     xsum = xf.view(m, k // gs, gs).sum(-1).contiguous()
     xe, xo = _even_odd(xf) if w.bits == 4 else (xf, None)
     y = torch.empty(m, n, dtype=torch.float32)
-    L.moeq_rtn_gemv(cpu.ptr(xe), cpu.ptr(xo), cpu.ptr(xsum), cpu.i64(m), cpu.ptr(w.qdata), cpu.ptr(w.scale),
-                    int(w.scale.dtype == torch.bfloat16), cpu.ptr(w.zero), w.bits, cpu.i64(n), cpu.i64(k), cpu.i64(gs),
-                    cpu.ptr(y))
+    L.moeq_rtn_gemv(native.ptr(xe), native.ptr(xo), native.ptr(xsum), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale),
+                    int(w.scale.dtype == torch.bfloat16), native.ptr(w.zero), w.bits, native.i64(n), native.i64(k), native.i64(gs),
+                    native.ptr(y))
     return _finish(y, x, n, bias)
 
 
@@ -94,15 +96,15 @@ def _linear_plan(module) -> tuple | None:
     bias = module.bias
     key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
         None if bias is None else (bias.data_ptr(), bias.dtype),)
-    slot = cpu.plan_slot(module, "_linear_plan")
+    slot = native.plan_slot(module, "_linear_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
     w, keep = module.qweight, []
     stack = describe(w, keep, dot_bf16=True) if len(w.shape) == 2 else None
     plan = None
-    if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and cpu.usable(bias))):
+    if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and native.usable(bias))):
         n, k = w.shape
-        extra = n * k // stack.gs if stack.fmt == 1 else 0  # NF4/FP4: the block scales, resolved per call
+        extra = n * k // stack.gs if stack.fmt == Fmt.BNB4 else 0  # NF4/FP4: the block scales, resolved per call
         plan = (stack, keep, n, k, min(MAX_ROWS, rows_limit(w)), 2 * k + k // 16 + 1, extra)
     slot.value = (key, plan)
     return plan
@@ -111,7 +113,7 @@ def _linear_plan(module) -> tuple | None:
 def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
     """A :class:`~moeq.nn.QuantLinear`'s decode path for bf16 activations (RTN 4/8-bit, NF4/FP4): the whole linear
     (activation layout, gemv, rounding, bias) in one native call, or None outside its domain."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not cpu.has_dpbf16():
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not native.has_dpbf16():
         return None
     plan = _linear_plan(module)
     if plan is None or x.shape[-1] != plan[3]:
@@ -124,8 +126,8 @@ def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     scratch = torch.empty(m * (k + n + per_row) + extra + 64)
     bias = module.bias
-    cpu.lib().moeq_quant_linear_bf16(ctypes.byref(stack), cpu.ptr(x), cpu.i64(m), cpu.ptr(bias), cpu.ptr(y),
-                                     cpu.ptr(scratch))
+    native.lib().moeq_quant_linear_bf16(ctypes.byref(stack), native.ptr(x), native.i64(m), native.ptr(bias), native.ptr(y),
+                                     native.ptr(scratch))
     return y
 
 
@@ -133,24 +135,24 @@ def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
 def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None,
               max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
-    L = cpu.lib()
+    L = native.lib()
     if m is None or L is None or w.shape[-1] % w.blocksize or (w.numel // w.slices) % w.blocksize:
         return None
     n, k = w.shape
     absmax = w.resolved_absmax().contiguous()
     code = w.code.float().contiguous()
-    if not cpu.usable(w.packed, absmax):
+    if not native.usable(w.packed, absmax):
         return None
-    cpu.fits((w.packed, n * k // 2), (absmax, n * k // w.blocksize * 4), (code, 64))
+    native.fits((w.packed, n * k // 2), (absmax, n * k // w.blocksize * 4), (code, 64))
     y = torch.empty(m, n, dtype=torch.float32)
-    if x.dtype == torch.bfloat16 and w.blocksize % 64 == 0 and cpu.has_dpbf16():
+    if x.dtype == torch.bfloat16 and w.blocksize % 64 == 0 and native.has_dpbf16():
         xb = _perm64(x.reshape(m, k))
-        L.moeq_bnb4_gemv_bf16(cpu.ptr(xb), cpu.i64(m), cpu.ptr(w.packed), cpu.ptr(absmax), cpu.ptr(code),
-                              cpu.i64(n), cpu.i64(k), cpu.i64(w.blocksize), cpu.ptr(y))
+        L.moeq_bnb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.packed), native.ptr(absmax), native.ptr(code),
+                              native.i64(n), native.i64(k), native.i64(w.blocksize), native.ptr(y))
         return _finish(y, x, n, bias)
     xe, xo = _even_odd(x.reshape(m, k).float())
-    L.moeq_bnb4_gemv(cpu.ptr(xe), cpu.ptr(xo), cpu.i64(m), cpu.ptr(w.packed), cpu.ptr(absmax), cpu.ptr(code),
-                     cpu.i64(n), cpu.i64(k), cpu.i64(w.blocksize), cpu.ptr(y))
+    L.moeq_bnb4_gemv(native.ptr(xe), native.ptr(xo), native.i64(m), native.ptr(w.packed), native.ptr(absmax), native.ptr(code),
+                     native.i64(n), native.i64(k), native.i64(w.blocksize), native.ptr(y))
     return _finish(y, x, n, bias)
 
 
@@ -158,12 +160,12 @@ def bnb4_gemv(w: Bnb4Weight, x: torch.Tensor, bias: torch.Tensor | None,
 def int8_gemv(w: Int8Weight, x: torch.Tensor, bias: torch.Tensor | None,
               max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
-    L = cpu.lib()
-    if m is None or L is None or not cpu.usable(w.weight, w.scb):
+    L = native.lib()
+    if m is None or L is None or not native.usable(w.weight, w.scb):
         return None
     n, k = w.shape
-    cpu.fits((w.weight, n * k), (w.scb, n * 4))
+    native.fits((w.weight, n * k), (w.scb, n * 4))
     xf = x.reshape(m, k).float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    L.moeq_int8_gemv(cpu.ptr(xf), cpu.i64(m), cpu.ptr(w.weight), cpu.ptr(w.scb), cpu.i64(n), cpu.i64(k), cpu.ptr(y))
+    L.moeq_int8_gemv(native.ptr(xf), native.i64(m), native.ptr(w.weight), native.ptr(w.scb), native.i64(n), native.i64(k), native.ptr(y))
     return _finish(y, x, n, bias)

@@ -1,23 +1,16 @@
 """Fused decode path for a whole MoE layer on CPU: one native call runs every routed expert (see
-``moeq_moe_forward`` in cpu_kernels.c). Declines (returns None) outside its domain, leaving the per-expert path."""
+``moeq_moe_forward`` in moeq/native/csrc/moe.c). Declines (returns None) outside its domain, leaving the per-expert path."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
+from moeq import native
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
-from moeq.kernels import cpu
+from moeq.native import Fmt, WStack
 
 MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measured)
-
-
-class WStack(ctypes.Structure):
-    _fields_ = [("fmt", ctypes.c_int), ("dot_bf16", ctypes.c_int), ("q", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("scale_bf16", ctypes.c_int), ("zero", ctypes.c_void_p),
-                ("bits", ctypes.c_int), ("gs", ctypes.c_int64), ("code", ctypes.c_void_p), ("offset", ctypes.c_void_p),
-                ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p), ("spe", ctypes.c_int64),
-                ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
 
 
 def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
@@ -32,44 +25,44 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
         gs = k if w.group_size == -1 else w.group_size
         if w.bits not in (4, 8) or gs % 32 or w.scale.dtype not in (torch.bfloat16, torch.float32):
             return None
-        if not cpu.usable(w.qdata, w.scale, w.zero):
+        if not native.usable(w.qdata, w.scale, w.zero):
             return None
         ng = e * n * (k // gs)
-        cpu.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
+        native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
         keep += [w.qdata, w.scale, w.zero]
-        return WStack(0, int(dot_bf16), w.qdata.data_ptr(), w.scale.data_ptr(),
-                      int(w.scale.dtype == torch.bfloat16),
-                      0 if w.zero is None else w.zero.data_ptr(), w.bits, gs, None, None, None, None, 1, n, k)
+        return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
+                      scale_bf16=int(w.scale.dtype == torch.bfloat16), absmax_u8=0, zero=native.ptr(w.zero),
+                      bits=w.bits, gs=gs, spe=1, N=n, K=k)
     if isinstance(w, Bnb4Weight):
         spe = w.slices // e if w.slices % e == 0 else 0
         if spe == 0 or k % w.blocksize or w.blocksize % 32 or (n * k // spe) % w.blocksize:
             return None
         code = w.code.float().contiguous()
         tensors = [w.packed, w.absmax, code, w.offset, w.nested_absmax, w.nested_code]
-        if not cpu.usable(*tensors):
+        if not native.usable(*tensors):
             return None
         dq = w.offset is not None
         nb = e * n * k // w.blocksize
-        cpu.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
+        native.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
         if dq:
-            cpu.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
+            native.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
                      (w.nested_absmax, w.slices * -(-(nb // w.slices) // 256) * 4))
         keep += tensors
-        return WStack(1, int(dot_bf16 and w.blocksize % 64 == 0), w.packed.data_ptr(), w.absmax.data_ptr(), int(dq),
-                      None, 4, w.blocksize, code.data_ptr(),
-                      w.offset.data_ptr() if dq else None, w.nested_absmax.data_ptr() if dq else None,
-                      w.nested_code.data_ptr() if dq else None, spe, n, k)
+        return WStack(fmt=Fmt.BNB4, dot_bf16=int(dot_bf16 and w.blocksize % 64 == 0), q=w.packed.data_ptr(),
+                      scale=w.absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
+                      code=code.data_ptr(), offset=native.ptr(w.offset), nested_absmax=native.ptr(w.nested_absmax),
+                      nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
     return None
 
 
 def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: torch.Tensor,
                 weight_of: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
     """``sum_pairs weight * w2[e] @ silu-glu(w13[e] @ x[token])`` for pairs grouped by expert, or None."""
-    L = cpu.lib()
+    L = native.lib()
     if L is None or x.device.type != "cpu" or max(counts) > MAX_ROWS:
         return None
     keep: list = []
-    dot = x.dtype == torch.bfloat16 and cpu.has_dpbf16()
+    dot = x.dtype == torch.bfloat16 and native.has_dpbf16()
     s13, s2 = describe(w13, keep, dot), describe(w2, keep, dot)
     if s13 is None or s2 is None:
         return None
@@ -83,19 +76,19 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     out = torch.zeros_like(xf)
     if _expert_parallel(s13, s2):
         scratch = _scratch(s13, s2, sum(1 for c in counts if c))
-        L.moeq_moe_forward_rtn4_bf16(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i),
-                                     cpu.ptr(tok), cpu.ptr(wts), cpu.ptr(starts), cpu.i64(e), cpu.ptr(out),
-                                     cpu.ptr(scratch))
+        L.moeq_moe_forward_rtn4_bf16(ctypes.byref(s13), ctypes.byref(s2), native.ptr(xf), native.i64(h), native.i64(i),
+                                     native.ptr(tok), native.ptr(wts), native.ptr(starts), native.i64(e), native.ptr(out),
+                                     native.ptr(scratch))
         return out.to(x.dtype)
     scratch = _scratch(s13, s2, 0)
-    L.moeq_moe_forward(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(h), cpu.i64(i), cpu.ptr(tok),
-                       cpu.ptr(wts), cpu.ptr(starts), cpu.i64(e), cpu.ptr(out), cpu.ptr(scratch))
+    L.moeq_moe_forward(ctypes.byref(s13), ctypes.byref(s2), native.ptr(xf), native.i64(h), native.i64(i), native.ptr(tok),
+                       native.ptr(wts), native.ptr(starts), native.i64(e), native.ptr(out), native.ptr(scratch))
     return out.to(x.dtype)
 
 
 def _expert_parallel(s13: WStack, s2: WStack) -> bool:
     """4-bit RTN experts with bf16 activations: the layer kernel parallel across experts."""
-    return s13.fmt == s2.fmt == 0 and s13.bits == s2.bits == 4 and bool(s13.dot_bf16 and s2.dot_bf16)
+    return s13.fmt == s2.fmt == Fmt.RTN and s13.bits == s2.bits == 4 and bool(s13.dot_bf16 and s2.dot_bf16)
 
 
 def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:
@@ -110,7 +103,7 @@ def _plan(module, dot: bool) -> tuple[WStack, WStack] | None:
     """The module's two stacks described for the kernel, built once and reused while its buffers stay the same
     tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan)."""
     key = (dot, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
-    slot = cpu.plan_slot(module, "_moe_plan")
+    slot = native.plan_slot(module, "_moe_plan")
     plan = slot.value
     if plan is None or plan[0] != key:
         keep: list = []
@@ -123,11 +116,11 @@ def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     """A decode step's whole MoE layer from the router's output ``top_k_index/top_k_weights [T, A]`` in one native
     call (pairs grouped by expert inside), or None when outside the kernel's domain (then the caller groups the pairs
     itself and takes :func:`moe_forward` or the per-expert path)."""
-    L = cpu.lib()
+    L = native.lib()
     t, a = top_k_index.shape
     if L is None or x.device.type != "cpu" or t > MAX_ROWS:
         return None
-    stacks = _plan(module, x.dtype == torch.bfloat16 and cpu.has_dpbf16())
+    stacks = _plan(module, x.dtype == torch.bfloat16 and native.has_dpbf16())
     if stacks is None:
         return None
     s13, s2 = stacks
@@ -136,8 +129,8 @@ def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     wts = top_k_weights.float().contiguous()
     out = torch.zeros_like(xf)
     scratch = _scratch(s13, s2, min(module.num_experts, t * a))
-    if L.moeq_moe_routed(ctypes.byref(s13), ctypes.byref(s2), cpu.ptr(xf), cpu.i64(s13.K), cpu.i64(s2.K),
-                         cpu.ptr(idx), cpu.ptr(wts), cpu.i64(t), cpu.i64(a), cpu.i64(module.num_experts),
-                         cpu.ptr(out), cpu.ptr(scratch)):
+    if L.moeq_moe_routed(ctypes.byref(s13), ctypes.byref(s2), native.ptr(xf), native.i64(s13.K), native.i64(s2.K),
+                         native.ptr(idx), native.ptr(wts), native.i64(t), native.i64(a), native.i64(module.num_experts),
+                         native.ptr(out), native.ptr(scratch)):
         return None
     return out.to(x.dtype)

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from moeq.kernels import cpu
+from moeq import native
 
 NAME = "moeq_sdpa"
 
@@ -69,7 +69,7 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     hkv, s = key.shape[1], key.shape[2]
     if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
             or d % 16 or value.shape != key.shape or (mask is not None and mask.shape[1] != 1)
-            or not cpu.has_dpbf16()):
+            or not native.has_dpbf16()):
         return None
     add = None
     if mask is not None:
@@ -77,7 +77,7 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         add = (torch.zeros(b, s).masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else m.float()).contiguous()
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16)
-    cpu.func("moeq_attn_decode_bf16", _ARGS)(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+    native.func("moeq_attn_decode_bf16", _ARGS)(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                               None if add is None else add.data_ptr(), b, hq, hkv, s, d, scale,
                                               out.data_ptr())
     return out

@@ -20,7 +20,7 @@ import types
 import torch
 from torch import nn
 
-from moeq.kernels import cpu
+from moeq import native
 from moeq.nn import attention
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def rms_norm(module: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | N
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty_like(x)
-    cpu.func("moeq_rmsnorm_bf16", _NORM_ARGS)(x.data_ptr(), w.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
+    native.func("moeq_rmsnorm_bf16", _NORM_ARGS)(x.data_ptr(), w.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
     return y
 
 
@@ -56,7 +56,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    gemv = cpu.func("moeq_bf16_gemv", _GEMV_ARGS)
+    gemv = native.func("moeq_bf16_gemv", _GEMV_ARGS)
     if not gemv(x.data_ptr(), x.numel() // k, weight.data_ptr(), n, k, y.data_ptr()):
         return None
     return y
@@ -94,7 +94,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place, one token: ``x [B, 1, H, D]`` (contiguous bf16) = x cos + rotate_half(x) sin, ``cos/sin [B, 1, D]``,
     with torch's bf16 rounding of each product and of the sum."""
     b, _, h, d = x.shape
-    cpu.func("moeq_rope_bf16", _ROPE_ARGS)(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
+    native.func("moeq_rope_bf16", _ROPE_ARGS)(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
 
 
 class _Attention:
@@ -240,7 +240,7 @@ def install(model: nn.Module) -> dict[str, int]:
     forwards where each reproduces the module's own output; returns how many of each got one. A no-op without the
     native kernels (AVX512-BF16)."""
     done = {"rms_norm": 0, "router": 0, "attention": 0}
-    if not cpu.has_dpbf16():
+    if not native.has_dpbf16():
         return done
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
     for _, mod in model.named_modules():

@@ -1,0 +1,208 @@
+"""The native CPU library: C sources in ``csrc/`` (``moeq.h`` shared types and prototypes; ``quants.c``,
+``gemv.c``, ``moe.c``, ``decode.c`` split by concern), compiled on first use with the system C compiler into one
+shared library in a per-user cache, and called through ctypes.
+
+This is moeq's bottom layer for native code: it imports only torch and :mod:`moeq.errors`, so formats, kernels and
+modules all sit above it. Every export's return and argument types are declared once, in :data:`ABI`; callers pass
+plain Python ints (pointers from :func:`ptr`, sizes), floats and tensors' addresses. :class:`Fmt` and
+:class:`WStack` mirror ``enum moeq_fmt`` and ``moeq_wstack`` in ``moeq.h``.
+
+When no compiler is available, the cache is unwritable or the build fails, :func:`lib` returns None and every caller
+keeps its plain-torch path (the reference the kernels are tested against).
+
+Adding a kernel: write it in the ``csrc`` file of its concern, declare it in ``moeq.h``, add its line to
+:data:`ABI`, and call it with ``lib().moeq_name(...)`` behind a plain-torch reference of the same signature.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moeq.errors import MoeqError
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c")
+HEADERS = ("moeq.h", "rtn4_rows.h")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+class Fmt(enum.IntEnum):
+    """``enum moeq_fmt``: the packed formats the fused kernels take."""
+    RTN = 0
+    BNB4 = 1
+
+
+class WStack(ctypes.Structure):
+    """``moeq_wstack``: one weight or expert stack ``[E, N, K]`` described for the fused kernels."""
+    _fields_ = [("fmt", ctypes.c_int), ("dot_bf16", ctypes.c_int), ("q", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("scale_bf16", ctypes.c_int), ("absmax_u8", ctypes.c_int),
+                ("zero", ctypes.c_void_p), ("bits", ctypes.c_int), ("gs", ctypes.c_int64), ("code", ctypes.c_void_p),
+                ("offset", ctypes.c_void_p), ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p),
+                ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+_P, _I, _INT, _F, _WS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.POINTER(WStack)
+# name: (return type, argument types) -- exactly the prototypes in csrc/moeq.h
+ABI: dict[str, tuple[type | None, list]] = {
+    # quants.c
+    "moeq_set_threads": (None, [_INT]),
+    "moeq_rtn_quantize_sym": (None, [_P, _INT, _I, _I, _I, _INT, _P, _P]),
+    "moeq_rtn_quantize_asym": (None, [_P, _INT, _I, _I, _I, _INT, _P, _P, _P]),
+    "moeq_rtn_dequant": (None, [_P, _P, _INT, _P, _INT, _I, _I, _I, _P, _INT]),
+    "moeq_bnb4_quantize": (None, [_P, _INT, _I, _I, _P, _P, _P, _P]),
+    "moeq_bnb4_dequant": (None, [_P, _P, _P, _I, _I, _P, _INT]),
+    "moeq_bnb4_resolve_absmax": (None, [_P, _P, _P, _P, _I, _I, _P]),
+    "moeq_int8_dequant": (None, [_P, _P, _I, _I, _P, _INT]),
+    # gemv.c
+    "moeq_has_dpbf16": (_INT, []),
+    "moeq_rtn_gemv": (None, [_P, _P, _P, _I, _P, _P, _INT, _P, _INT, _I, _I, _I, _P]),
+    "moeq_rtn4_gemv_bf16": (None, [_P, _P, _I, _P, _P, _INT, _P, _I, _I, _I, _P, _INT]),
+    "moeq_rtn8_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _P]),
+    "moeq_bf16_gemv": (_INT, [_P, _I, _P, _I, _I, _P]),
+    "moeq_bnb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _P, _I, _I, _I, _P]),
+    "moeq_bnb4_gemv": (None, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _P]),
+    "moeq_int8_gemv": (None, [_P, _I, _P, _P, _I, _I, _P]),
+    # moe.c
+    "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
+    "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
+    "moeq_moe_forward_rtn4_bf16": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
+    "moeq_moe_routed": (_INT, [_WS, _WS, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P]),
+    # decode.c
+    "moeq_rmsnorm_bf16": (None, [_P, _P, _I, _I, _F, _P]),
+    "moeq_attn_decode_bf16": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P]),
+    "moeq_rope_bf16": (None, [_P, _I, _I, _I, _P, _P]),
+}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moeq" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """-march=native binaries are CPU-specific: key the cache by the CPU's feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform  # noqa: PLC0415
+
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def lib() -> ctypes.CDLL | None:
+    """The native library with every export typed from :data:`ABI`; None (plain-torch paths everywhere) when it
+    cannot be built or loaded: no compiler, missing sources, an unwritable cache folder, a failed compile."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: moeq uses its plain-torch CPU paths (slower)")
+        return None
+    try:
+        so = _build(cc)
+    except OSError as e:
+        log.warning("cannot build moeq CPU kernels (%s): using plain-torch paths (slower)", e)
+        return None
+    if so is None:
+        return None
+    try:
+        L = ctypes.CDLL(str(so))
+        for name, (restype, argtypes) in ABI.items():
+            fn = getattr(L, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError) as e:
+        log.warning("loading moeq CPU kernels failed (%s), using plain-torch paths", e)
+        return None
+    L.moeq_set_threads(torch.get_num_threads())
+    return L
+
+
+def _build(cc: str) -> Path | None:
+    files = [CSRC / f for f in (*SOURCES, *HEADERS)]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    digest.update(" ".join([cc, *FLAGS, _cpu_flags()]).encode())
+    so = _cache_dir() / f"libmoeq_cpu_{digest.hexdigest()[:16]}.so"
+    if so.exists():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+        out = Path(tmp) / so.name
+        proc = subprocess.run([cc, *FLAGS, *(str(CSRC / f) for f in SOURCES), "-o", str(out), "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
+            return None
+        os.replace(out, so)
+    return so
+
+
+@functools.cache
+def has_dpbf16() -> bool:
+    """The library was built with AVX512-BF16 (and VNNI) dot products."""
+    L = lib()
+    return bool(L is not None and L.moeq_has_dpbf16())
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a pointer argument (None: NULL)."""
+    return None if t is None else t.data_ptr()
+
+
+def i64(v: int) -> int:
+    return int(v)
+
+
+def func(name: str, argtypes: list | None = None):
+    """A typed export of the library (its types come from :data:`ABI`)."""
+    return getattr(lib(), name)
+
+
+def fits(*pairs: tuple[torch.Tensor | None, int]) -> None:
+    """Bounds check at the native boundary: each ``(tensor, bytes the kernel will read or write)`` must hold that
+    many bytes. Weights are validated when they enter moeq; this is the last line if an invariant ever breaks."""
+    for t, need in pairs:
+        if t is not None and t.numel() * t.element_size() < need:
+            raise MoeqError(f"refusing a native call: it would touch {need} bytes of a {t.dtype} tensor of shape "
+                            f"{list(t.shape)} ({t.numel() * t.element_size()} bytes); the weight is inconsistent")
+
+
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """The native path takes CPU, contiguous tensors only."""
+    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
+class PlanSlot:
+    """Holds a module's prepared native-call arguments (raw pointers into its buffers). A copy or a pickle of the
+    module gets an empty slot, and rebuilds the plan from its own buffers on first use."""
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __deepcopy__(self, memo) -> "PlanSlot":
+        return PlanSlot()
+
+    def __reduce__(self):
+        return PlanSlot, ()
+
+
+def plan_slot(module, name: str) -> PlanSlot:
+    slot = module.__dict__.get(name)
+    if slot is None:
+        slot = module.__dict__[name] = PlanSlot()
+    return slot

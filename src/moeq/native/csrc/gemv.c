@@ -1,0 +1,483 @@
+// Small-batch matmuls (gemv, 1-64 rows of x) for the packed formats and bf16: y = x @ dequant(W)^T. Each is tested
+// against dequantize + matmul within fp32 accumulation tolerance.
+#include "moeq.h"
+#include "rtn4_rows.h"
+
+// y[M, N] = x[M, K] @ dequant(W)^T, fp32 accumulation. xe/xo: x split into even/odd k (fp32, [M, K/2] each, 4-bit)
+// or xe = x ([M, K], 8-bit); xsum: per-group sums of x [M, G] (for the zero point). M <= 8.
+#if defined(__AVX512F__)
+// One output row for a compile-time M (keeps the accumulators in registers). This exact form (8-bit x addressed
+// from the group base, U = CHAINS(M) chains with a tail loop, two accumulator sets summed per group) measured
+// ~35 GB/s for the 8-bit M=1 gemv (every 4-bit preset's lm_head) vs ~19 GB/s for simpler-looking variants on
+// this machine kind, side by side; more chains (U > 1) and split 4-bit accumulators measured slower.
+#define CHAINS(M) 1
+static inline __attribute__((always_inline)) void rtn_row_avx512(
+    const float* xe, const float* xo, const float* xsum, const i64 M, const uint8_t* q, const void* scale,
+    int scale_bf16, const uint8_t* zero, int bits, i64 n, i64 K, i64 gs, float* out, float* zt) {
+    const i64 G = K / gs;
+    const int U = CHAINS(M);
+    const float half = (float)(1 << (bits - 1));
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        const float s = load_scale(scale, scale_bf16, n * G + g);
+        const float z = zero ? (float)zero[n * G + g] : half;
+        for (i64 m = 0; m < M; m++) zt[m] += z * s * xsum[m * G + g];
+        __m512 v[8][4], w[8][4];
+        for (i64 m = 0; m < M; m++)
+            for (int u = 0; u < U; u++) v[m][u] = w[m][u] = _mm512_setzero_ps();
+        if (bits == 8) {
+            const uint8_t* qq = q + n * K + g * gs;
+            const float* xg = xe + g * gs;
+            i64 k = 0;
+            for (; k + 16 * U <= gs; k += 16 * U)
+                for (int u = 0; u < U; u++) {
+                    __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i*)(qq + k + 16 * u))));
+                    for (i64 m = 0; m < M; m++)
+                        v[m][u] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xg + m * K + k + 16 * u), v[m][u]);
+                }
+            for (; k < gs; k += 16) {
+                __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + k))));
+                for (i64 m = 0; m < M; m++) v[m][0] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xg + m * K + k), v[m][0]);
+            }
+        } else {
+            const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+            for (i64 j = 0; j < gs / 2; j += 16) {
+                __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                const i64 o = g * gs / 2 + j;
+                for (i64 m = 0; m < M; m++) {
+                    v[m][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + m * (K / 2) + o), v[m][0]);
+                    v[m][0] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + m * (K / 2) + o), v[m][0]);
+                }
+            }
+        }
+        const __m512 sv = _mm512_set1_ps(s);
+        for (i64 m = 0; m < M; m++) {
+            __m512 t = _mm512_add_ps(v[m][0], w[m][0]);
+            for (int u = 1; u < U; u++) t = _mm512_add_ps(t, _mm512_add_ps(v[m][u], w[m][u]));
+            acc[m] = _mm512_fmadd_ps(t, sv, acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                   int scale_bf16, const uint8_t* zero, int bits, i64 N, i64 K, i64 gs, float* y) {
+    const i64 G = K / gs;
+    const float half = (float)(1 << (bits - 1));
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+#if defined(__AVX512F__)
+        if (gs % 32 == 0) {  // rows of x in chunks of 8: the weight row is re-read from L1, not memory
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                const i64 xs = bits == 8 ? K : K / 2;
+                const float* e = xe + m0 * xs;
+                const float* o = xo ? xo + m0 * xs : xo;
+                float zt[8] = {0}, out[8] = {0};
+                switch (mc) {
+#define RTN_CASE(c) case c: rtn_row_avx512(e, o, xsum + m0 * G, c, q, scale, scale_bf16, zero, bits, n, K, gs, out, zt); break;
+                    RTN_CASE(1) RTN_CASE(2) RTN_CASE(3) RTN_CASE(4) RTN_CASE(5) RTN_CASE(6) RTN_CASE(7) RTN_CASE(8)
+#undef RTN_CASE
+                }
+                for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] - zt[m];
+            }
+            continue;
+        }
+#endif
+        float zt[64] = {0}, out[64] = {0};
+        {
+            for (i64 g = 0; g < G; g++) {
+                const float s = load_scale(scale, scale_bf16, n * G + g);
+                const float z = zero ? (float)zero[n * G + g] : half;
+                for (i64 m = 0; m < M; m++) {
+                    float a = 0.f;
+                    if (bits == 8) {
+                        const uint8_t* qq = q + n * K + g * gs;
+                        const float* xx = xe + m * K + g * gs;
+                        for (i64 k = 0; k < gs; k++) a += (float)qq[k] * xx[k];
+                    } else {
+                        const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+                        const float* e = xe + m * (K / 2) + g * gs / 2;
+                        const float* o = xo + m * (K / 2) + g * gs / 2;
+                        for (i64 j = 0; j < gs / 2; j++) a += (float)(qq[j] & 15) * e[j] + (float)(qq[j] >> 4) * o[j];
+                    }
+                    out[m] += a * s;
+                    zt[m] += z * s * xsum[m * G + g];
+                }
+            }
+        }
+        for (i64 m = 0; m < M; m++) y[m * N + n] = out[m] - zt[m];
+    }
+}
+
+// 4-bit RTN with bf16 activations: AVX512-BF16 dot products (vdpbf16ps, two weights per fp32 lane). Each packed
+// byte b (element 2j low nibble, 2j+1 high nibble) becomes the bf16 pair (128 + lo, 128 + hi): 0x4300 | c is
+// bf16(128 + c) exactly, so one shift, one or and one ternary-logic op build 32 weights; the +128 (and the zero
+// point) come out through per-group sums of x: sum (c - z) x = sum (c + 128) x - (z + 128) sum x. Products are exact
+// in fp32; only the summation order differs from the fp32 path. ~1.5-2x fewer instructions per weight.
+int moeq_has_dpbf16(void) {  // and AVX512-VNNI (the 8-bit kernel's int16 dot products); every such CPU has both
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+
+// y[M, N] = x[M, K] @ dequant(W)^T for 4-bit RTN, x bf16 (raw uint16 bits) with per-group sums xsum [M, G] (fp32,
+// of the bf16 values). gs % 32 == 0; perm64 (gs % 64 == 0): x is in x_to_bf16's permuted order.
+void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                         int scale_bf16, const uint8_t* zero, i64 N, i64 K, i64 gs, float* y, int perm64) {
+    const i64 G = K / gs;
+#if defined(__AVX512BF16__)
+    if (M == 1 && perm64) {  // decode's common case in a loop of its own (measured ~15% faster than via the M loop)
+        if (scale_bf16 && !zero) {
+#pragma omp parallel for schedule(static)
+            for (i64 n = 0; n < N; n++) y[n] = rtn4_row1_p64(xb, xsum, q, scale, 1, NULL, n, K, gs);
+        } else {
+#pragma omp parallel for schedule(static)
+            for (i64 n = 0; n < N; n++) y[n] = rtn4_row1_p64(xb, xsum, q, scale, scale_bf16, zero, n, K, gs);
+        }
+        return;
+    }
+#endif
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        for (i64 m0 = 0; m0 < M; m0 += 8) {
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            float zt[8] = {0}, out[8] = {0};
+#if defined(__AVX512BF16__)
+            rtn4_row_bf16(perm64, xb + m0 * K, xsum + m0 * G, mc, q, scale, scale_bf16, zero, n, K, gs, out, zt);
+#else
+            for (i64 g = 0; g < G; g++) {
+                const float s = load_scale(scale, scale_bf16, n * G + g);
+                const float z = zero ? (float)zero[n * G + g] : 8.f;
+                const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+                for (i64 m = 0; m < mc; m++) {
+                    const uint16_t* xx = xb + (m0 + m) * K + g * gs;
+                    float a = 0.f;
+                    for (i64 j = 0; j < gs / 2; j++) {
+                        const i64 k0 = 2 * j, k1 = 2 * j + 1;
+                        const i64 p0 = perm64 ? (k0 & ~(i64)63) + ((k0 & 63) >> 1) : k0;
+                        const i64 p1 = perm64 ? (k1 & ~(i64)63) + 32 + ((k1 & 63) >> 1) : k1;
+                        a += ((float)(qq[j] & 15) - z) * bf2f(xx[p0]) + ((float)(qq[j] >> 4) - z) * bf2f(xx[p1]);
+                    }
+                    out[m] += a * s;
+                }
+            }
+#endif
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] - zt[m];
+        }
+    }
+}
+
+// 8-bit RTN with bf16 activations through int16 dot products (AVX512-VNNI vpdpwssd, 32 weights per instruction):
+// each group of x is scaled by a power of two, s = 2^(e - 15) with max|x| < 2^e, and rounded to int16. A bf16 value
+// has 8 significant bits, so every element within 2^7 of its group's largest is exact and the rest are off by at
+// most max|x| 2^-16; the codes (0..255) widen to int16 as they are. sum (c - z) x = s (sum c xq - z sum xq), in
+// int32 (chunks of 4096 weights cannot overflow: 4096/16 pairs of |c xq| <= 255 * 32640 per lane), then fp32.
+// Replaces two bf16 dot products per 32 weights (the codes split into nibbles); on the 151936x2048 lm_head at one
+// row, side by side: as fast as a plain read of the weights (6.4 vs 7.4 ms for the bf16-dot form when the machine's
+// memory runs at ~50 GB/s; all equal at ~33 GB/s).
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+// One row of bf16 x -> xq int16 [K], per group: scale sx, and sx * sum xq (the zero-point term's sum of x). A group
+// holding NaN/Inf gets a NaN scale, so its outputs come out NaN; groups below 1e-30 count as zero.
+static void x_to_i16(const uint16_t* x, i64 K, i64 gs, int16_t* xq, float* sx, float* xs) {
+    for (i64 g = 0; g < K / gs; g++) {
+        const uint16_t* xg = x + g * gs;
+        int16_t* qg = xq + g * gs;
+        float amax = 0.f;
+        int bad = 0;
+        for (i64 k = 0; k < gs; k++) {
+            const float a = fabsf(bf2f(xg[k]));
+            bad |= !(a <= 3.402823466e38f);
+            amax = a > amax ? a : amax;
+        }
+        if (bad || amax < 1e-30f) {
+            memset(qg, 0, (size_t)gs * sizeof(int16_t));
+            sx[g] = xs[g] = bad ? NAN : 0.f;
+            continue;
+        }
+        int e;
+        frexpf(amax, &e);
+        const float inv = ldexpf(1.f, 15 - e);
+        int64_t sum = 0;
+        for (i64 k = 0; k < gs; k++) {
+            const int16_t v = (int16_t)lrintf(bf2f(xg[k]) * inv);
+            qg[k] = v;
+            sum += v;
+        }
+        sx[g] = ldexpf(1.f, e - 15);
+        xs[g] = sx[g] * (float)sum;
+    }
+}
+
+static inline __attribute__((always_inline)) void rtn8_row_i16(
+    const int16_t* xq, const float* sx, const float* xs, const i64 M, const uint8_t* q, const void* scale,
+    int scale_bf16, const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
+    const i64 G = K / gs;
+    float sf[G + 16], sfx[M * G + 16];
+    row_scales(scale, scale_bf16, zero, 128.f, 0.f, xs, M, n, G, sf, zt);
+    for (i64 m = 0; m < M; m++)  // the group scales times each x row's: one broadcast operand per (row, group)
+        for (i64 g = 0; g < G; g += 16) {
+            const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            _mm512_mask_storeu_ps(sfx + m * G + g, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sf + g),
+                                                                    _mm512_maskz_loadu_ps(k, sx + m * G + g)));
+        }
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const uint8_t* qn = q + n * K;
+    for (i64 g = 0; g < G; g++) {
+        for (i64 c0 = 0; c0 < gs; c0 += 4096) {
+            const i64 c1 = gs - c0 <= 4096 ? gs : c0 + 4096;
+            __m512i v[8];
+            for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_si512();
+            for (i64 j = g * gs + c0; j < g * gs + c1; j += 32) {
+                const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + j)));
+                for (i64 m = 0; m < M; m++) v[m] = _mm512_dpwssd_epi32(v[m], w, _mm512_loadu_si512(xq + m * K + j));
+            }
+            for (i64 m = 0; m < M; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[m]), _mm512_set1_ps(sfx[m * G + g]), acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// y[M, N] = x[M, K] @ dequant(W)^T for 8-bit RTN, x bf16 (raw uint16 bits, natural order). gs % 32 == 0. Returns 0
+// (nothing written) without AVX512-BF16/VNNI.
+int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+                        const uint8_t* zero, i64 N, i64 K, i64 gs, float* y) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    const i64 G = K / gs;
+    int16_t* xq = (int16_t*)malloc((size_t)(M * K) * sizeof(int16_t) + (size_t)(2 * M * G) * sizeof(float) + 64);
+    if (!xq) return 0;
+    float* sx = (float*)(xq + M * K + 32);
+    float* xs = sx + M * G;
+    for (i64 r = 0; r < M; r++) x_to_i16(xb + r * K, K, gs, xq + r * K, sx + r * G, xs + r * G);
+    if (M <= 8) {  // decode's sizes: one parallel loop per row count, M a constant inside (faster than per row)
+        switch (M) {
+#define R8_LOOP(c)                                                                                  \
+    case c: {                                                                                       \
+        _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++) {                  \
+            float o[c], z[c];                                                                       \
+            for (int m = 0; m < c; m++) z[m] = 0.f;                                                 \
+            rtn8_row_i16(xq, sx, xs, c, q, scale, scale_bf16, zero, n, K, gs, o, z);                \
+            for (int m = 0; m < c; m++) y[m * N + n] = o[m] - z[m];                                 \
+        }                                                                                           \
+    } break;
+            R8_LOOP(1) R8_LOOP(2) R8_LOOP(3) R8_LOOP(4) R8_LOOP(5) R8_LOOP(6) R8_LOOP(7) R8_LOOP(8)
+#undef R8_LOOP
+        }
+    } else {
+#pragma omp parallel for schedule(static)
+        for (i64 n = 0; n < N; n++) {
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                float zt[8] = {0}, out[8] = {0};
+                const int16_t* xm = xq + m0 * K;
+                const float *sm = sx + m0 * G, *tm = xs + m0 * G;
+                switch (mc) {
+#define R8_CASE(c) case c: rtn8_row_i16(xm, sm, tm, c, q, scale, scale_bf16, zero, n, K, gs, out, zt); break;
+                    R8_CASE(1) R8_CASE(2) R8_CASE(3) R8_CASE(4) R8_CASE(5) R8_CASE(6) R8_CASE(7) R8_CASE(8)
+#undef R8_CASE
+                }
+                for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] - zt[m];
+            }
+        }
+    }
+    free(xq);
+    return 1;
+#else
+    (void)xb; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)zero; (void)N; (void)K; (void)gs; (void)y;
+    return 0;
+#endif
+}
+
+// y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
+// routers (a few hundred KB of weight), where torch's CPU bf16 gemv costs ~45 us. K % 32 == 0; returns 0 (nothing
+// written) otherwise or without AVX512-BF16.
+int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
+#if defined(__AVX512BF16__)
+    if (K % 32) return 0;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+    for (i64 n = 0; n < N; n++) {
+        const uint16_t* wn = w + n * K;
+        for (i64 m = 0; m < M; m++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (i64 k = 0; k < K; k += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wn + k),
+                                       (__m512bh)_mm512_loadu_si512(x + m * K + k));
+            y[m * N + n] = f2bf(_mm512_reduce_add_ps(acc));
+        }
+    }
+    return 1;
+#else
+    (void)x; (void)M; (void)w; (void)N; (void)K; (void)y;
+    return 0;
+#endif
+}
+
+// y[M, N] = x @ dequant(W)^T for a bnb4 weight [N, K] with K % bs == 0. xe/xo: even/odd k of x ([M, K/2] fp32).
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void bnb4_row_avx512(
+    const float* xe, const float* xo, const i64 M, const uint8_t* packed, const float* absmax, const float* code,
+    i64 n, i64 K, i64 bs, float* out) {
+    const i64 nbr = K / bs;
+    const __m512 tab = _mm512_loadu_ps(code);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < nbr; g++) {
+        const uint8_t* p = packed + (n * K + g * bs) / 2;
+        __m512 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm512_setzero_ps();
+        for (i64 j = 0; j < bs / 2; j += 16) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + j)));
+            __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
+            __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), tab);
+            const i64 o = g * bs / 2 + j;
+            for (i64 m = 0; m < M; m++) {
+                v[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xe + m * (K / 2) + o), v[m]);
+                v[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xo + m * (K / 2) + o), v[m]);
+            }
+        }
+        const __m512 av = _mm512_set1_ps(absmax[n * nbr + g]);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(v[m], av, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// NF4/FP4 with bf16 activations (blocksize % 64 == 0, x permuted per 64-chunk like the 4-bit RTN kernel): each
+// nibble indexes a 16-entry table of bf16(code) words (vpermw), two dot products per 64 weights, absmax per block
+// in fp32. bf16(code) carries the rounding bitsandbytes itself applies when it dequantizes to bf16 for a matmul.
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void bnb4_row_dpbf16_p64(
+    const uint16_t* xb, const i64 M, const uint8_t* packed, const float* absmax, __m512i tab, i64 n, i64 K, i64 bs,
+    float* out) {
+    const i64 nbr = K / bs;
+    const __m512i lo4 = _mm512_set1_epi16(0x000F);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 g = 0; g < nbr; g++) {
+        const uint8_t* p = packed + (n * K + g * bs) / 2;
+        const uint16_t* xg = xb + g * bs;
+        __m512 v[8], u[8];
+        for (i64 m = 0; m < M; m++) v[m] = u[m] = _mm512_setzero_ps();
+        for (i64 j = 0; j < bs / 2; j += 32) {
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(p + j)));
+            const __m512i even = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tab);  // high nibble: element 2j
+            const __m512i odd = _mm512_permutexvar_epi16(_mm512_and_si512(w, lo4), tab);
+            for (i64 m = 0; m < M; m++) {
+                const uint16_t* xc = xg + m * K + 2 * j;
+                v[m] = _mm512_dpbf16_ps(v[m], (__m512bh)even, (__m512bh)_mm512_loadu_si512(xc));
+                u[m] = _mm512_dpbf16_ps(u[m], (__m512bh)odd, (__m512bh)_mm512_loadu_si512(xc + 32));
+            }
+        }
+        const __m512 av = _mm512_set1_ps(absmax[n * nbr + g]);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(_mm512_add_ps(v[m], u[m]), av, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// y[M, N] = x @ dequant(W)^T, bnb4 weight [N, K], x bf16 permuted per 64-chunk (x_to_bf16), K % bs == 0,
+// bs % 64 == 0. Returns 0 (nothing written) when built without AVX512-BF16.
+int moeq_bnb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* packed, const float* absmax, const float* code,
+                        i64 N, i64 K, i64 bs, float* y) {
+#if defined(__AVX512BF16__)
+    uint16_t t[32] = {0};
+    for (int c = 0; c < 16; c++) t[c] = f2bf(code[c]);
+    const __m512i tab = _mm512_loadu_si512(t);
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        for (i64 m0 = 0; m0 < M; m0 += 8) {
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            float out[8] = {0};
+            switch (mc) {
+#define NB_CASE(c) case c: bnb4_row_dpbf16_p64(xb + m0 * K, c, packed, absmax, tab, n, K, bs, out); break;
+                NB_CASE(1) NB_CASE(2) NB_CASE(3) NB_CASE(4) NB_CASE(5) NB_CASE(6) NB_CASE(7) NB_CASE(8)
+#undef NB_CASE
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
+        }
+    }
+    return 1;
+#else
+    (void)xb; (void)M; (void)packed; (void)absmax; (void)code; (void)N; (void)K; (void)bs; (void)y;
+    return 0;
+#endif
+}
+
+void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
+                    const float* code, i64 N, i64 K, i64 bs, float* y) {
+    const i64 nbr = K / bs;  // blocks per row
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+#if defined(__AVX512F__)
+        if (bs % 32 == 0) {  // rows of x in chunks of 8 (weight row re-read from L1)
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                float out[8] = {0};
+                switch (mc) {
+#define BNB_CASE(c) case c: bnb4_row_avx512(xe + m0 * (K / 2), xo + m0 * (K / 2), c, packed, absmax, code, n, K, bs, out); break;
+                    BNB_CASE(1) BNB_CASE(2) BNB_CASE(3) BNB_CASE(4) BNB_CASE(5) BNB_CASE(6) BNB_CASE(7) BNB_CASE(8)
+#undef BNB_CASE
+                }
+                for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
+            }
+            continue;
+        }
+#endif
+        float out[64] = {0};
+        {
+            for (i64 g = 0; g < nbr; g++) {
+                const float a = absmax[n * nbr + g];
+                const uint8_t* p = packed + (n * K + g * bs) / 2;
+                for (i64 m = 0; m < M; m++) {
+                    const float* e = xe + m * (K / 2) + g * bs / 2;
+                    const float* o = xo + m * (K / 2) + g * bs / 2;
+                    float s = 0.f;
+                    for (i64 j = 0; j < bs / 2; j++) s += code[p[j] >> 4] * e[j] + code[p[j] & 15] * o[j];
+                    out[m] += s * a;
+                }
+            }
+        }
+        for (i64 m = 0; m < M; m++) y[m * N + n] = out[m];
+    }
+}
+
+// ---------------------------------------------------------------- LLM.int8 --------------------------------------
+void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y) {
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const int8_t* ww = w + n * K;
+        const float s = scb[n] * 7.874015718698502e-3f;
+        for (i64 m0 = 0; m0 < M; m0 += 8) {  // rows of x in chunks of 8 (weight row re-read from L1)
+            const i64 mc = M - m0 < 8 ? M - m0 : 8;
+            const float* xm = x + m0 * K;
+            float out[8] = {0};
+            i64 k0 = 0;
+#if defined(__AVX512F__)
+            __m512 v[8];
+            for (i64 m = 0; m < mc; m++) v[m] = _mm512_setzero_ps();
+            for (; k0 + 16 <= K; k0 += 16) {
+                __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(ww + k0))));
+                for (i64 m = 0; m < mc; m++) v[m] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xm + m * K + k0), v[m]);
+            }
+            for (i64 m = 0; m < mc; m++) out[m] = _mm512_reduce_add_ps(v[m]);
+#endif
+            for (i64 m = 0; m < mc; m++) {
+                float a = 0.f;
+                for (i64 k = k0; k < K; k++) a += (float)ww[k] * xm[m * K + k];
+                y[(m0 + m) * N + n] = (out[m] + a) * s;
+            }
+        }
+    }
+}
+

@@ -1,0 +1,315 @@
+// The fused MoE layer for decode (one call runs every routed expert of a layer) and the one-call quantized linear,
+// both over moeq_wstack descriptions of the weights.
+#include "moeq.h"
+#include "rtn4_rows.h"
+
+// ---------------------------------------------------------------- fused MoE (decode) -----------------------------
+// One call per MoE layer for the token-expert pairs of a decode step: for each expert with rows, y = w2 @
+// act(w13 @ x) and out[token] += weight * y. Removes the per-expert Python dispatch that dominates small batches.
+
+static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    uint16_t* xb = (uint16_t*)scratch;
+    for (i64 r = 0; r < m; r++)
+        for (i64 k = 0; k < K; k++) xb[r * K + k] = f2bf(x[r * K + k]);
+    const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+    return moeq_rtn8_gemv_bf16(xb, m, w->q + e * (N * K), sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, N, K,
+                               w->gs, y);
+}
+
+// y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
+static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K;
+    if (w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->dot_bf16) {
+        const i64 G = K / w->gs;
+        uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
+        float* xs = scratch + m * K;
+        const int p64 = w->gs % 64 == 0;
+        for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, p64, xb + r * K, xs + r * G);
+        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
+                            w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
+    } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 8 && w->dot_bf16 && rtn8_bf16(w, e, x, m, y, scratch)) {
+        return;
+    } else if (w->fmt == MOEQ_FMT_RTN) {
+        const i64 G = K / w->gs;
+        float* xe = scratch;
+        float* xo = xe + m * K;
+        float* xs = xo + m * K;
+        for (i64 r = 0; r < m; r++) {
+            for (i64 g = 0; g < G; g++) {
+                float s = 0.f;
+                for (i64 k = 0; k < w->gs; k++) s += x[r * K + g * w->gs + k];
+                xs[r * G + g] = s;
+            }
+            if (w->bits == 4)
+                for (i64 j = 0; j < K / 2; j++) {
+                    xe[r * (K / 2) + j] = x[r * K + 2 * j];
+                    xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+                }
+        }
+        const i64 qb = N * K * w->bits / 8;
+        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        moeq_rtn_gemv(w->bits == 4 ? xe : x, xo, xs, m, w->q + e * qb, sc, w->scale_bf16,
+                      w->zero ? w->zero + e * N * G : NULL, w->bits, N, K, w->gs, y);
+    } else {
+        const i64 bs = w->gs, n = N * K / w->spe, nb = n / bs, nn = (nb + 255) / 256;
+        float* xe = scratch;
+        float* xo = xe + m * (K / 2);
+        float* am = xo + m * (K / 2);
+        for (i64 r = 0; r < m; r++)
+            for (i64 j = 0; j < K / 2; j++) {
+                xe[r * (K / 2) + j] = x[r * K + 2 * j];
+                xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+            }
+        for (i64 s = 0; s < w->spe; s++) {
+            const i64 S = e * w->spe + s;
+            for (i64 b = 0; b < nb; b++) {
+                float a;
+                if (w->absmax_u8) {
+                    const uint8_t c = ((const uint8_t*)w->scale)[S * nb + b];
+                    a = w->nested_code[c] * w->nested_absmax[S * nn + b / 256] + w->offset[S];
+                } else {
+                    a = ((const float*)w->scale)[S * nb + b];
+                }
+                am[s * nb + b] = a;
+            }
+        }
+        if (w->dot_bf16 && bs % 64 == 0) {
+            uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 fill exactly the xe region
+            float* sums = xo;  // per-group sums are unused by bnb4; xo is rebuilt below if needed
+            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, 64, 1, xb + r * K, sums);
+            if (moeq_bnb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y)) return;
+            for (i64 r = 0; r < m; r++)  // no AVX512-BF16: rebuild xe/xo
+                for (i64 j = 0; j < K / 2; j++) {
+                    xe[r * (K / 2) + j] = x[r * K + 2 * j];
+                    xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+                }
+        }
+        moeq_bnb4_gemv(xe, xo, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y);
+    }
+}
+
+// A whole decode-path linear in one call for bf16 activations: y [M, N] bf16 = bf16(bf16(x W^T) + bias) as the Python
+// path computes it (rounded, then the bias added in bf16), W described like one expert (RTN 4/8-bit or NF4/FP4,
+// double quant included). Saves the ~30 us of torch glue per call the Python path spends around the same kernels.
+// scratch (floats): M*K + expert_gemv's + M*N.
+void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
+                            float* scratch) {
+    const i64 N = w->N, K = w->K;
+    float* xf = scratch;
+    float* yf = xf + M * K;
+    float* sc = yf + M * N;
+    for (i64 i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
+    expert_gemv(w, 0, xf, M, yf, sc);
+#pragma omp parallel for schedule(static) if (M * N >= 65536)
+    for (i64 i = 0; i < M * N; i++) {
+        const uint16_t h = f2bf(yf[i]);
+        y[i] = bias ? f2bf(bf2f(h) + bf2f(bias[i % N])) : h;
+    }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out,
+                      float* scratch) {
+    // scratch: 8*H (x rows) + 8*2I (h) + 8*I (act) + 8*H (y) + gemv scratch (max of both)
+    float* xr = scratch;
+    float* h = xr + 8 * H;
+    float* a = h + 8 * 2 * I;
+    float* y = a + 8 * I;
+    float* gs = y + 8 * H;
+    for (i64 e = 0; e < E; e++) {
+        for (i64 p0 = expert_start[e]; p0 < expert_start[e + 1]; p0 += 8) {
+            const i64 m = expert_start[e + 1] - p0 < 8 ? expert_start[e + 1] - p0 : 8;
+            for (i64 r = 0; r < m; r++) memcpy(xr + r * H, x + pair_tok[p0 + r] * H, (size_t)H * sizeof(float));
+            expert_gemv(w13, e, xr, m, h, gs);
+            for (i64 r = 0; r < m; r++)
+                for (i64 i = 0; i < I; i++) a[r * I + i] = silu(h[r * 2 * I + i]) * h[r * 2 * I + I + i];
+            expert_gemv(w2, e, a, m, y, gs);
+            for (i64 r = 0; r < m; r++) {
+                const float wgt = pair_w[p0 + r];
+                float* o = out + pair_tok[p0 + r] * H;
+                for (i64 k = 0; k < H; k++) o[k] += wgt * y[r * H + k];
+            }
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+// Inside a parallel region: y[a, 8, N] row 0 = W[act[a]] x[a] for every active expert a (one x row each, K in
+// groups of 64, x in x_to_bf16's layout at [a, 8, K]), the rows of all experts shared out over the threads.
+static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, const uint16_t* xb, const float* xs, i64 K,
+                                i64 N, float* y) {
+    const i64 G = K / w->gs, sb = w->scale_bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+    for (i64 t = 0; t < A * N; t++) {
+        const i64 a = t / N, n = t % N, e = act[a];
+        y[a * 8 * N + n] = rtn4_row1_p64(xb + a * 8 * K, xs + a * 8 * G, w->q + e * (N * K / 2),
+                                         (const char*)w->scale + e * N * G * sb, w->scale_bf16,
+                                         w->zero ? w->zero + e * N * G : NULL, n, K, w->gs);
+    }
+}
+
+// The layer kernel below when every active expert has one row (a batch-1 decode step), x in groups of 64: one
+// parallel region whose loops also spread the glue (activation conversion, SiLU-GLU, the weighted sum, which keeps
+// the serial order per element) over the threads, and the one-row gemv form (rtn4_row1_p64).
+static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                             const i64* pair_tok, const float* pair_w, const i64* expert_start, const i64* act, i64 A,
+                             float* out, float* scratch) {
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
+    uint16_t* xb = (uint16_t*)scratch;  // the layer kernel's scratch layout, one row per expert used
+    float* xs = scratch + A * 8 * H / 2;
+    float* h = xs + A * 8 * G1;
+    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);
+    float* as = h + A * 8 * I2 + A * 8 * I / 2;
+    float* y = as + A * 8 * G2;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (i64 a = 0; a < A; a++)
+            x_to_bf16(x + pair_tok[expert_start[act[a]]] * H, H, w13->gs, 1, xb + a * 8 * H, xs + a * 8 * G1);
+        one_row_pass(w13, act, A, xb, xs, H, I2, h);
+#pragma omp for schedule(static)
+        for (i64 a = 0; a < A; a++) {
+            const float* hr = h + a * 8 * I2;
+            float* t = y + a * 8 * H;  // free until the w2 loop: the fp32 activation row
+            for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
+            x_to_bf16(t, I, w2->gs, 1, ab + a * 8 * I, as + a * 8 * G2);
+        }
+        one_row_pass(w2, act, A, ab, as, I, H, y);
+#pragma omp for schedule(static)
+        for (i64 k = 0; k < H; k++)
+            for (i64 a = 0; a < A; a++) {
+                const i64 p = expert_start[act[a]];
+                out[pair_tok[p] * H + k] += pair_w[p] * y[a * 8 * H + k];
+            }
+    }
+}
+#endif
+
+// The same layer for 4-bit RTN experts with bf16 activations, parallel across experts: one parallel loop over the
+// rows of every active expert's w13 (SiLU-GLU applied after), one over every active expert's w2 — two fork/joins
+// per layer instead of two per expert, and the threads stream the experts' weights back to back.
+// scratch (floats): A*8*(H/2 + H/16 + 2I + I/2 + I/16 + H) + 64, A = active experts (rows per expert <= 8).
+void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                                const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E,
+                                float* out, float* scratch) {
+    i64 A = 0;
+    for (i64 e = 0; e < E; e++) A += expert_start[e + 1] > expert_start[e];
+    i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
+    A = 0;
+    for (i64 e = 0; e < E; e++)
+        if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
+    const int p13 = w13->gs % 64 == 0, p2 = w2->gs % 64 == 0;
+    uint16_t* xb = (uint16_t*)scratch;                  // [A, 8, H] bf16
+    float* xs = scratch + A * 8 * H / 2;                // [A, 8, G1]
+    float* h = xs + A * 8 * G1;                         // [A, 8, 2I]
+    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);         // [A, 8, I] bf16
+    float* as = h + A * 8 * I2 + A * 8 * I / 2;         // [A, 8, G2]
+    float* y = as + A * 8 * G2;                         // [A, 8, H]
+    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
+    int one = p13 && p2;  // every active expert has one row (a batch-1 decode step)
+    for (i64 a = 0; a < A; a++) one &= expert_start[act[a] + 1] - expert_start[act[a]] == 1;
+#if defined(__AVX512BF16__)
+    if (one) {
+        moe_rtn4_one_row(w13, w2, x, H, I, pair_tok, pair_w, expert_start, act, A, out, scratch);
+        free(act);
+        return;
+    }
+#endif
+    for (i64 a = 0; a < A; a++) {
+        const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
+        for (i64 r = 0; r < m; r++)
+            x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * G1);
+    }
+#pragma omp parallel for schedule(static)
+    for (i64 t = 0; t < A * I2; t++) {
+        const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
+        float zt[8] = {0}, o[8] = {0};
+        const uint8_t* q = w13->q + e * (I2 * H / 2);
+        const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
+        const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
+        const uint16_t* xa = xb + a * 8 * H;
+        const float* xsa = xs + a * 8 * G1;
+#if defined(__AVX512BF16__)
+        rtn4_row_bf16(p13, xa, xsa, m, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt);
+#endif
+        for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
+    }
+    for (i64 a = 0; a < A; a++) {
+        const i64 e = act[a], m = expert_start[e + 1] - expert_start[e];
+        for (i64 r = 0; r < m; r++) {
+            const float* hr = h + (a * 8 + r) * I2;
+            uint16_t* dst = ab + (a * 8 + r) * I;
+            float* t = y;  // y is free until the w2 pass: the fp32 activation row
+            for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
+            x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * G2);
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (i64 t = 0; t < A * H; t++) {
+        const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
+        float zt[8] = {0}, o[8] = {0};
+        const uint8_t* q = w2->q + e * (H * I / 2);
+        const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
+        const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
+#if defined(__AVX512BF16__)
+        rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * G2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
+#endif
+        for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
+    }
+    for (i64 a = 0; a < A; a++) {
+        const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
+        for (i64 r = 0; r < m; r++) {
+            const float wgt = pair_w[p0 + r];
+            float* o = out + pair_tok[p0 + r] * H;
+            const float* yr = y + (a * 8 + r) * H;
+            for (i64 k = 0; k < H; k++) o[k] += wgt * yr[k];
+        }
+    }
+    free(act);
+}
+
+// A decode step's MoE layer straight from the router's output: groups the token-expert pairs by expert (a stable
+// counting sort, the order of argsort(top_k_index.flatten(), stable=True)) and runs the layer kernel above, in one
+// call instead of a dozen small torch ops. Returns 1 (nothing written) when an index is outside [0, E) or an expert
+// gets more than 8 rows: the caller takes its general path. scratch: as the layer kernel for min(E, T*A) active
+// experts.
+int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
+                    const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch) {
+    const i64 P = T * A;
+    i64* starts = (i64*)calloc((size_t)(E + 1), sizeof(i64));
+    i64* tok = (i64*)malloc((size_t)P * sizeof(i64));
+    float* wts = (float*)malloc((size_t)P * sizeof(float));
+    int declined = 0;
+    for (i64 p = 0; p < P; p++) {
+        if (idx[p] < 0 || idx[p] >= E) { declined = 1; break; }
+        starts[idx[p] + 1]++;
+    }
+    for (i64 e = 0; e < E && !declined; e++) {
+        if (starts[e + 1] > 8) declined = 1;
+        starts[e + 1] += starts[e];
+    }
+    if (!declined) {
+        i64* fill = (i64*)malloc((size_t)E * sizeof(i64));
+        memcpy(fill, starts, (size_t)E * sizeof(i64));
+        for (i64 p = 0; p < P; p++) {
+            const i64 slot = fill[idx[p]]++;
+            tok[slot] = p / A;
+            wts[slot] = wt[p];
+        }
+        free(fill);
+        if (w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && w13->bits == 4 && w2->bits == 4 && w13->dot_bf16 && w2->dot_bf16)
+            moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+        else
+            moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+    }
+    free(starts);
+    free(tok);
+    free(wts);
+    return declined;
+}
+

@@ -1,0 +1,129 @@
+// moeq native CPU kernels: shared types, the bf16 helpers every file uses, and every export's prototype.
+// The Python side mirrors the exports in moeq/native/__init__.py (ABI table) and the format enum / weight-stack
+// struct there (Fmt, WStack); keep the three in step.
+//
+// Layouts (row-major, rows = output features N, K = input features):
+//   rtn:  q uint8 [N, K/2] (4-bit, even k in the LOW nibble) or [N, K] (8-bit); scale [N, K/gs]; zero uint8|NULL
+//   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
+//   int8: w int8 [N, K], scb fp32 [N]
+#ifndef MOEQ_H
+#define MOEQ_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef int64_t i64;
+
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_scale(const void* s, int bf16, i64 i) {
+    return bf16 ? bf2f(((const uint16_t*)s)[i]) : ((const float*)s)[i];
+}
+
+
+// Symmetric vLLM grid arithmetic helpers (RTN quantize) and a group of weights as fp32.
+// A group holding NaN/Inf gets a NaN scale (the caller checks the scales and names the tensor).
+static inline uint16_t f2bf_finite(float f) {  // round to nearest even; callers only pass finite values
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void load_group(const void* w, int bf16, i64 base, i64 n, float* buf) {
+    if (bf16) {
+        const uint16_t* p = (const uint16_t*)w + base;
+#pragma omp simd
+        for (i64 k = 0; k < n; k++) buf[k] = bf2f(p[k]);
+    } else {
+        memcpy(buf, (const float*)w + base, (size_t)n * sizeof(float));
+    }
+}
+
+// The packed-weight formats the fused kernels take (mirrored by moeq.native.Fmt).
+enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1 };
+
+// One weight (or expert stack [E, N, K]) described for the fused kernels (mirrored by moeq.native.WStack).
+typedef struct {
+    int fmt;                     // enum moeq_fmt
+    int dot_bf16;                // RTN 4/8-bit: round activations to bf16 (AVX512-BF16 dot products)
+    const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
+    const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
+    int scale_bf16;              // RTN: scale is bf16
+    int absmax_u8;               // bnb4: absmax holds uint8 codes (double quant: nested_* resolve them)
+    const uint8_t* zero;         // RTN zero points [E, N, G] or NULL
+    int bits;                    // RTN bits (4 or 8)
+    i64 gs;                      // RTN group size / bnb4 blocksize
+    const float* code;           // bnb4 16-entry code
+    const float* offset;         // bnb4 double quant: [S]
+    const float* nested_absmax;  // bnb4 double quant: [S, ceil(nb/256)]
+    const float* nested_code;    // bnb4 double quant: [256]
+    i64 spe;                     // bnb4 slices per expert
+    i64 N, K;                    // one expert's weight shape
+} moeq_wstack;
+
+// ---- exports (quants.c) ----
+void moeq_set_threads(int n);
+void moeq_rtn_quantize_sym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale);
+void moeq_rtn_quantize_asym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale,
+                            uint8_t* zero);
+void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 rows,
+                      i64 K, i64 gs, void* out, int out_bf16);
+void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
+                        uint8_t* packed, float* absmax);
+void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* code, i64 n, i64 bs, void* out,
+                       int out_bf16);
+void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, const float* nested_code,
+                              const float* offset, i64 S, i64 nb, float* out);
+void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
+// ---- exports (gemv.c) ----
+int moeq_has_dpbf16(void);
+void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                   int scale_bf16, const uint8_t* zero, int bits, i64 N, i64 K, i64 gs, float* y);
+void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale,
+                         int scale_bf16, const uint8_t* zero, i64 N, i64 K, i64 gs, float* y, int perm64);
+int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+                        const uint8_t* zero, i64 N, i64 K, i64 gs, float* y);
+int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y);
+int moeq_bnb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* packed, const float* absmax, const float* code,
+                        i64 N, i64 K, i64 bs, float* y);
+void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
+                    const float* code, i64 N, i64 K, i64 bs, float* y);
+void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
+// ---- exports (moe.c) ----
+void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
+                            float* scratch);
+void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out,
+                      float* scratch);
+void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                                const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out,
+                                float* scratch);
+int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
+                    const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
+// ---- exports (decode.c) ----
+void moeq_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, i64 rows, i64 n, float eps, uint16_t* y);
+void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* mask, i64 B, i64 Hq,
+                           i64 Hkv, i64 S, i64 D, float scale, uint16_t* out);
+void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const uint16_t* sin);
+#endif
