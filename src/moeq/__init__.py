@@ -1,5 +1,5 @@
 """moeq: calibration-free weight-only quantization and fast inference for Mixture-of-Experts models."""
-__version__ = "0.1.0"
+from moeq.version import __version__
 
 from moeq.api import inspect, quantize_, save  # noqa: E402
 from moeq.errors import MoeqError  # noqa: E402

@@ -14,8 +14,8 @@ from moeq.config import FormatConfig, QuantConfig
 from moeq.convert import ExpertsBuilder, activation_for, install_experts, is_experts, quantize_linear, set_module
 from moeq.formats import PackedWeight
 from moeq.io.writer import atomic_dir, copy_side_files, model_sources, unique_tensors, write_shards
-from moeq.loader import quantization_config
-from moeq.nn.packed import get_packed
+from moeq.record import quantization_config
+from moeq.nn.packed import packed_slots
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def quantize_(model: nn.Module, config: QuantConfig | FormatConfig | str) -> nn.
     arch = get_arch(model.config)
     targets = [(n, m) for n, m in model.named_modules()]
     for name, mod in targets:
-        fmt = qcfg.for_module(name)
+        fmt = qcfg.for_module(name, never=arch.keep)
         if is_experts(mod):
             if fmt.name == "none":
                 continue
@@ -71,8 +71,8 @@ def save(model: nn.Module, out: str | os.PathLike, overwrite: bool = False, sour
 def packed_weights(model: nn.Module) -> dict[str, PackedWeight]:
     out = {}
     for name, mod in model.named_modules():
-        for slot in getattr(mod, "_packed_meta", {}):
-            out[f"{name}.{slot}"] = get_packed(mod, slot)
+        for slot, w in packed_slots(mod).items():
+            out[f"{name}.{slot}"] = w
     return out
 
 

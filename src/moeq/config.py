@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -22,10 +22,21 @@ def register(cls):
     return cls
 
 
+CONFIG_VERSION = 1  # the newest config layout this moeq reads and writes
+
+
+def _check_version(v: Any, what: str) -> None:
+    if type(v) is not int or v < 1:
+        raise MoeqError(f"{what}: version must be a positive integer, got {v!r}")
+    if v > CONFIG_VERSION:
+        raise MoeqError(f"{what}: config version {v} was written by a newer moeq (this one reads up to "
+                        f"{CONFIG_VERSION}); upgrade moeq")
+
+
 @dataclasses.dataclass(frozen=True)
 class FormatConfig:
     name: ClassVar[str] = ""
-    version: ClassVar[int] = 1
+    version: int = dataclasses.field(default=CONFIG_VERSION, kw_only=True)  # per instance: old configs stay old
 
     def quantize(self, w: torch.Tensor, name: str | None = None, slices: int | None = None) -> PackedWeight | None:
         """Quantize ``w`` (any leading dims); None means "keep in the compute dtype"."""
@@ -34,14 +45,22 @@ class FormatConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.name, "version": self.version, **dataclasses.asdict(self)}
 
+    def __post_init__(self):
+        _check_version(self.version, f"{self.name} config")
+
     @staticmethod
     def from_dict(d: dict[str, Any]) -> FormatConfig:
+        if not isinstance(d, dict):
+            raise MoeqError(f"a format config must be an object, got {type(d).__name__}")
         d = dict(d)
         name = d.pop("format", None)
-        d.pop("version", None)
-        if name not in FORMAT_CONFIGS:
+        if not isinstance(name, str) or name not in FORMAT_CONFIGS:
             raise MoeqError(f"unknown format {name!r}; valid: {sorted(FORMAT_CONFIGS)}")
-        return FORMAT_CONFIGS[name](**d)
+        _check_version(d.get("version", 1), f"{name} config")
+        try:
+            return FORMAT_CONFIGS[name](**d)
+        except TypeError as e:
+            raise MoeqError(f"{name} config {d}: {e}") from None
 
     def label(self) -> str:
         return self.name
@@ -53,13 +72,16 @@ class RTN(FormatConfig):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
-    grid: str = "vllm"
+    grid: Literal["vllm", "signed"] = "vllm"
     search: int = 0  # clip candidates tried per group (0: plain rounding)
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
     name: ClassVar[str] = "rtn"
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.grid not in rtn.GRIDS:
+            raise MoeqError(f"unsupported RTN grid {self.grid!r}; valid choices: {list(rtn.GRIDS)}")
         if self.bits not in rtn.BITS:
             raise MoeqError(f"unsupported RTN bits {self.bits}; valid choices: {list(rtn.BITS)}")
         if not rtn.valid_group_size(self.group_size):
@@ -80,13 +102,14 @@ class RTN(FormatConfig):
 @register
 @dataclasses.dataclass(frozen=True)
 class BNB4(FormatConfig):
-    quant_type: str = "nf4"
+    quant_type: Literal["nf4", "fp4"] = "nf4"
     blocksize: int = 64
     double_quant: bool = True
     search: int = 0  # absmax candidates tried per block (0: bitsandbytes' plain absmax)
     name: ClassVar[str] = "bnb4"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.quant_type not in ("nf4", "fp4"):
             raise MoeqError(f"unsupported quant_type {self.quant_type!r}; valid choices: ['nf4', 'fp4']")
         if self.blocksize not in bnb4.BLOCKSIZES:
@@ -180,9 +203,10 @@ class QuantConfig:
 
     default: FormatConfig = dataclasses.field(default_factory=lambda: RTN())
     rules: tuple[tuple[str, FormatConfig], ...] = ()
-    version: ClassVar[int] = 1
+    version: int = dataclasses.field(default=CONFIG_VERSION, kw_only=True)
 
     def __post_init__(self):
+        _check_version(self.version, "quantization config")
         if isinstance(self.rules, dict):
             object.__setattr__(self, "rules", tuple(self.rules.items()))
 
@@ -194,7 +218,12 @@ class QuantConfig:
             return QuantConfig(method(cfg))
         return QuantConfig(cfg)
 
-    def for_module(self, name: str) -> FormatConfig:
+    def for_module(self, name: str, never: tuple[str, ...] = ()) -> FormatConfig:
+        """The format for module ``name``: ``never`` (an architecture's never-quantize globs) wins over
+        everything, then the first matching rule, then the default policy. One glob dialect everywhere:
+        :func:`fnmatch.fnmatchcase` on module names."""
+        if any(fnmatch.fnmatchcase(name, p) for p in never):
+            return Keep()
         for pattern, cfg in self.rules:
             if fnmatch.fnmatchcase(name, pattern):
                 return cfg
@@ -208,8 +237,14 @@ class QuantConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> QuantConfig:
-        return QuantConfig(FormatConfig.from_dict(d["default"]),
-                           tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("rules", [])))
+        if not isinstance(d, dict) or "default" not in d or not isinstance(d.get("rules", []), list):
+            raise MoeqError(f"a quantization config must be an object with default and rules, got {d!r}"[:300])
+        _check_version(d.get("version", 1), "quantization config")
+        try:
+            rules = tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("rules", []))
+        except (TypeError, ValueError) as e:
+            raise MoeqError(f"quantization config rules malformed: {e}") from None
+        return QuantConfig(FormatConfig.from_dict(d["default"]), rules, version=d.get("version", 1))
 
 
 def presets() -> dict[str, QuantConfig]:

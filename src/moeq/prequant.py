@@ -1,5 +1,6 @@
 """Pre-quantized bitsandbytes checkpoints (4-bit NF4/FP4 with or without double quant, and LLM.int8), including
-transformers 4.x per-expert MoE checkpoints that transformers 5 cannot load.
+transformers 4.x per-expert MoE checkpoints that transformers 5 cannot load. This module reads what such a
+checkpoint declares; :func:`moeq.loader.load` places it.
 
 What is quantized how is decided from the checkpoint's own tensors (a ``weight.quant_state.*`` sibling means 4-bit,
 an int8 ``weight`` with an ``SCB`` sibling means 8-bit), never from the model type: per-expert states become slices of
@@ -11,22 +12,13 @@ quantized in flight with the checkpoint's own settings unless ``quant`` says oth
 """
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import torch
-from torch import nn
-from tqdm.auto import tqdm
 
-from moeq.arch import FUSED_KEY_RE, get_arch
-from moeq.config import BNB4, FormatConfig, Int8, QuantConfig
-from moeq.convert import existing_bias, set_module
+from moeq.config import BNB4, FormatConfig, Int8
 from moeq.formats import Bnb4Weight, Int8Weight, PackedWeight
 from moeq.io.safetensors_io import Checkpoint
-from moeq.nn import QuantLinear
 from moeq.errors import MoeqError
 
-log = logging.getLogger(__name__)
 QS = ".quant_state.bitsandbytes__"
 
 
@@ -56,15 +48,15 @@ def inflight_config(qc: dict) -> FormatConfig:
     return Int8()
 
 
-def compute_dtype(qc: dict, config, dtype: torch.dtype | None) -> torch.dtype:
+def compute_dtype(qc: dict, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The compute dtype: ``dtype`` if given, else a 4-bit checkpoint's ``bnb_4bit_compute_dtype``, else None (the
+    caller falls back to the model config's)."""
     if dtype is not None:
         return dtype
     name = qc.get("bnb_4bit_compute_dtype") if bnb_bits(qc) == 4 else None
     if isinstance(name, str) and name.removeprefix("torch.") in ("bfloat16", "float16", "float32"):
         return getattr(torch, name.removeprefix("torch."))
-    from moeq.loader import _compute_dtype  # noqa: PLC0415
-
-    return _compute_dtype(config, None)
+    return None
 
 
 def quantized_groups(ckpt: Checkpoint) -> tuple[dict[str, list[str]], dict[str, str]]:
@@ -99,69 +91,3 @@ def read_packed(ckpt: Checkpoint, head: str, members: list[str], dtype: torch.dt
     if any(QS in k for k in members):
         return Bnb4Weight.from_state_dict(sd, head[: -len("weight")])
     return Int8Weight.from_state_dict(sd, head[: -len("weight")], dtype=dtype)
-
-
-def load_prequantized(path: Path, ckpt: Checkpoint, config, qc: dict, quant, dtype, progress: bool) -> nn.Module:
-    from moeq.loader import (  # noqa: PLC0415
-        _finish, _load_generation_config, _plan, _route, _skeleton, quantization_config,
-    )
-
-    if qc.get("quant_method") != "bitsandbytes":
-        raise MoeqError(f"{path}: checkpoints quantized with quant_method={qc.get('quant_method')!r} are not "
-                         "supported; moeq loads bf16/fp16, moeq and bitsandbytes checkpoints")
-    arch = get_arch(config)
-    dtype = compute_dtype(qc, config, dtype)
-    qcfg = QuantConfig.of(quant if quant is not None else inflight_config(qc))
-    model = _skeleton(config, dtype)
-    builders, _ = _plan(model, arch, qcfg, config, dtype)
-    groups, member = quantized_groups(ckpt)
-    linears = {}  # bf16 Linear weights in a bnb checkpoint (skip list): keep them as the checkpoint holds them
-    pending_bias: dict[str, torch.Tensor] = {}
-    unused: list[str] = []
-    done: set[str] = set()
-    for key in tqdm(ckpt.keys(), desc="loading", unit="tensor", disable=not progress):
-        head = member.get(key)
-        if head is None:
-            _route(model, ckpt, key, arch, builders, linears, pending_bias, unused)
-            continue
-        if head in done:
-            continue
-        done.add(head)
-        q = read_packed(ckpt, head, groups[head], dtype)
-        _place(model, arch, builders, head, q, pending_bias, dtype)
-    for name, b in pending_bias.items():
-        mod = model.get_submodule(name)
-        mod.bias = nn.Parameter(b, requires_grad=False)
-    incomplete = [m for b in builders.values() if not b.built for m in b.missing()]
-    if incomplete:
-        raise MoeqError(f"checkpoint {path} lacks expert weights: {'; '.join(incomplete[:10])}")
-    model.config.quantization_config = quantization_config(model, qcfg)
-    _load_generation_config(model, path)
-    return _finish(model, unused, config)
-
-
-def _place(model: nn.Module, arch, builders, head: str, q: PackedWeight, pending_bias, dtype) -> None:
-    from moeq.loader import _build_if_complete, _set_tensor  # noqa: PLC0415
-
-    name = arch.rename(head)
-    m = arch.expert_key_re.match(name)
-    if m and m["mod"] in builders:
-        builders[m["mod"]].put_packed(int(m["e"]), arch.proj_kind(m["proj"]), q, head)
-        _build_if_complete(model, builders, m["mod"])
-        return
-    if FUSED_KEY_RE.match(name):
-        raise MoeqError(f"{head}: quantized fused 3-D experts are not a bitsandbytes layout moeq knows")
-    mod_name = name[: -len(".weight")]
-    try:
-        mod = model.get_submodule(mod_name)
-    except AttributeError:
-        raise MoeqError(f"{head}: no module {mod_name!r} in the model built from config.json") from None
-    if isinstance(mod, nn.Linear):
-        if tuple(q.shape) != tuple(mod.weight.shape):
-            raise MoeqError(f"{head}: quantized shape {list(q.shape)} does not match the config "
-                             f"(expected {list(mod.weight.shape)})")
-        set_module(model, mod_name, QuantLinear(q, existing_bias(mod, pending_bias.pop(mod_name, None))))
-        return
-    # e.g. a transformers-4 router Linear that transformers 5 holds as a plain weight: bnb's own dequantization
-    log.info("%s: quantized in the checkpoint, dequantized into %s (its module is not a Linear)", head, dtype)
-    _set_tensor(model, name, q.dequantize(dtype), head)

@@ -13,6 +13,7 @@ from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, 
 from moeq.formats import Bnb4Weight, Int8Weight
 from moeq.io.writer import write_shards
 from moeq.nn import QuantExperts
+from moeq.nn.packed import packed_slots
 from moeq.errors import MoeqError
 
 SUPPORTS = "NF4/FP4 (any blocksize, double quant or not) and LLM.int8 weights"
@@ -21,10 +22,10 @@ SUPPORTS = "NF4/FP4 (any blocksize, double quant or not) and LLM.int8 weights"
 def _check(model: nn.Module, arch: Arch) -> tuple[str, dict]:
     kinds = set()
     for name, mod in quantized_modules(model):
-        for slot, meta in mod._packed_meta.items():
-            fmt = meta["format"]
+        for slot, w in packed_slots(mod).items():
+            fmt = w.format
             if fmt == "bnb4":
-                kinds.add(("bnb4", meta["quant_type"], bool(mod._buffers.get(f"{slot}_offset") is not None)))
+                kinds.add(("bnb4", w.quant_type, w.double_quant))
             elif fmt == "int8":
                 kinds.add(("int8",))
             else:

@@ -15,6 +15,7 @@ from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, 
 from moeq.formats import RTNWeight
 from moeq.io.writer import write_shards
 from moeq.nn import QuantExperts
+from moeq.nn.packed import packed_meta
 from moeq.errors import MoeqError
 
 SUPPORTS = "RTN int4/int8 weights (symmetric or asymmetric, group size or per-row)"
@@ -29,7 +30,7 @@ def weight_args(w: RTNWeight) -> dict:
 
 def _check(model: nn.Module, arch: Arch) -> None:
     for name, mod in quantized_modules(model):
-        for slot, meta in mod._packed_meta.items():
+        for slot, meta in packed_meta(mod).items():
             if meta["format"] != "rtn" or meta["bits"] not in (4, 8):
                 what = meta["format"] + (f" {meta['bits']}-bit" if meta["format"] == "rtn" else "")
                 raise MoeqError(f"{name}.{slot}: {what} has no compressed-tensors pack-quantized form; it takes "

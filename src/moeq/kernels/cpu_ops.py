@@ -10,7 +10,7 @@ import torch
 
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq import native
-from moeq.kernels import register
+from moeq.kernels.registry import register
 from moeq.kernels.moe_cpu import describe
 from moeq.native import Fmt
 

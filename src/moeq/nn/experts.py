@@ -9,6 +9,7 @@ Legend: T tokens, A activated experts per token, E experts, H hidden, I expert i
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ MAX_TOKENS_PER_PASS = 4096
 class Activation:
     """How gate and up combine: ``act(gate) * up`` (``kind="glu"``), or gpt-oss' clamped swiglu."""
 
-    kind: str = "glu"
+    kind: Literal["glu", "gptoss"] = "glu"
     act: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0

@@ -27,3 +27,13 @@ def get_packed(module: nn.Module, slot: str) -> PackedWeight:
     cls = WEIGHT_TYPES[meta.pop("format")]
     tensors = {f: module._buffers.get(f"{slot}_{f}") for f in cls.tensor_names()}
     return cls.from_parts(tensors, meta)
+
+
+def packed_meta(module: nn.Module) -> dict[str, dict]:
+    """``{slot: {"format": ..., **meta}}`` of a module holding packed weights (a copy; empty for other modules)."""
+    return {slot: dict(meta) for slot, meta in getattr(module, "_packed_meta", {}).items()}
+
+
+def packed_slots(module: nn.Module) -> dict[str, PackedWeight]:
+    """``{slot: PackedWeight}`` of a module holding packed weights (empty for other modules)."""
+    return {slot: get_packed(module, slot) for slot in getattr(module, "_packed_meta", {})}

@@ -1,0 +1,311 @@
+"""The state of one load: the model skeleton (parameters on the meta device) and what the checkpoint's tensors
+are turned into as they stream in. Every source feeds the same object: a bf16/fp16 checkpoint (:meth:`LoadState.route`
+per tensor, quantizing in flight) and a pre-quantized bitsandbytes one (:meth:`LoadState.route` for its plain tensors,
+:meth:`LoadState.put_packed` for its quantized weights); a saved moeq checkpoint restores its modules directly
+(:mod:`moeq.saved`). All of them end in :func:`finish_model`, which checks that every checkpoint key was used and every
+parameter filled, naming any that were not."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from moeq.arch import FUSED_KEY_RE, Arch, get_arch
+from moeq.config import QuantConfig
+from moeq.convert import ExpertsBuilder, activation_for, existing_bias, install_experts, is_experts, quantize_linear
+from moeq.convert import set_module
+from moeq.errors import CheckpointNotFound, MoeqError
+from moeq.formats import PackedWeight
+from moeq.formats.base import check_finite
+from moeq.io.safetensors_io import Checkpoint
+from moeq.nn import QuantLinear, attention, decode
+from moeq.nn.linear import canonicalize_head_input
+from moeq.record import quantization_config
+
+log = logging.getLogger(__name__)
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise, inflating RSS while streaming)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Create parameters on the meta device (buffers stay real: rotary tables etc. are computed at init)."""
+    orig = nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        orig(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig
+
+
+def skeleton(config, dtype: torch.dtype) -> nn.Module:
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        del config.quantization_config
+    check_config(config)
+    try:
+        with meta_parameters():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except MoeqError:
+        raise
+    except Exception as e:  # transformers' own checks of an untrusted config.json, in whatever type it raises
+        raise MoeqError(f"the model described by config.json cannot be built: {type(e).__name__}: {e}") from None
+    finally:
+        if qc is not None:
+            config.quantization_config = qc
+    return model
+
+
+# config.json sizes that must be positive integers (when present), and the most any real model uses times ~100
+
+
+# config.json sizes that must be positive integers (when present), and the most any real model uses times ~100
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+          "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
+          "num_local_experts", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
+_MAX_SIZE = 1 << 31
+
+
+def check_config(config) -> None:
+    """Refuse a config.json whose sizes are not positive integers or whose top-k exceeds its experts: clear
+    errors instead of tracebacks (or hangs) deep inside the model constructor."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _SIZES:
+        v = getattr(text, name, None)
+        if v is None:
+            continue
+        if type(v) is not int or not 0 < v < _MAX_SIZE:
+            raise MoeqError(f"config.json: {name} = {v!r} must be a positive integer below {_MAX_SIZE}")
+    experts = next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, n, None)), None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if experts and top_k and top_k > experts:
+        raise MoeqError(f"config.json: num_experts_per_tok = {top_k} exceeds the {experts} experts")
+
+
+def compute_dtype(config, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if d in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def precheck_config_json(path: Path) -> None:
+    """What transformers would trip over with an unrelated traceback: config.json must be a JSON object, and its
+    quantization_config (when present) an object too."""
+    f = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{f}: no config.json beside the weights") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise MoeqError(f"{f}: unreadable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise MoeqError(f"{f}: must hold a JSON object, got {type(cfg).__name__}")
+    qc = cfg.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise MoeqError(f"{f}: quantization_config must be an object, got {type(qc).__name__}")
+
+
+def read_config(path: Path):
+    """config.json through transformers, after :func:`precheck_config_json`; any failure is the file's."""
+    precheck_config_json(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # an untrusted file parsed by transformers: any failure is the file's
+        raise MoeqError(f"{path}: cannot read config.json: {type(e).__name__}: {e}") from None
+
+
+def set_tensor(model: nn.Module, name: str, t: torch.Tensor, key: str) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    try:
+        mod = model.get_submodule(mod_name) if mod_name else model
+    except AttributeError:
+        raise MoeqError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise MoeqError(f"{key}: {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/Inf)")
+    cur = mod._parameters.get(attr, mod._buffers.get(attr))
+    if cur is None:  # absent, or registered as None (e.g. a Linear built without bias): not the model's
+        raise MoeqError(f"{key}: the model has no parameter or buffer {name!r} (unexpected key)")
+    if cur.is_floating_point() and not t.is_floating_point():
+        raise MoeqError(f"{key}: stored as {t.dtype}, but the model holds it as a floating-point tensor")
+    if tuple(cur.shape) != tuple(t.shape):
+        raise MoeqError(f"{key}: shape {list(t.shape)} does not match the config (expected {list(cur.shape)})")
+    dtype = cur.dtype if cur.is_floating_point() else t.dtype
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(t.to(dtype), requires_grad=False)
+    else:
+        mod._buffers[attr] = t.to(dtype)
+
+
+def set_or_note_unused(model: nn.Module, name: str, t: torch.Tensor, key: str, unused: list[str]) -> None:
+    """Set a plain tensor; a key the model has no place for is collected (reported at the end), not fatal here."""
+    try:
+        set_tensor(model, name, t, key)
+    except ValueError as e:
+        if "unexpected key" not in str(e):
+            raise
+        unused.append(key)
+
+
+def load_generation_config(model: nn.Module, path: Path) -> None:
+    if (path / "generation_config.json").exists():
+        with contextlib.suppress(Exception):
+            model.generation_config = GenerationConfig.from_pretrained(path)
+
+
+def finish_model(model: nn.Module, unused: list[str], config) -> nn.Module:
+    tie = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                  "tie_word_embeddings", False)
+    lm = getattr(model, "lm_head", None)
+    if tie and isinstance(lm, nn.Linear) and lm.weight.device.type == "meta":
+        lm.weight = model.get_input_embeddings().weight
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing or unused:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) not filled by the checkpoint: {', '.join(missing[:10])}")
+        if unused:
+            parts.append(f"{len(unused)} checkpoint key(s) not used: {', '.join(unused[:10])}")
+        raise MoeqError("; ".join(parts))
+    model.eval()
+    model.requires_grad_(False)
+    canonicalize_head_input(model)
+    attention.use(model)
+    decode.install(model)
+    return model
+
+
+def read_float(ckpt: Checkpoint, key: str, index: int | None = None) -> torch.Tensor:
+    """A weight or bias from a source checkpoint: it must be floating-point (integers would be quantized as values)."""
+    info = ckpt.tensors[key]
+    if not info.dtype.is_floating_point:
+        raise MoeqError(f"{info.file}: tensor {key}: stored as {info.dtype}; a weight or bias must be floating-point")
+    return ckpt.read(key, index)
+
+
+class LoadState:
+    """One streaming load: the skeleton, the experts builders and quantized linears it plans, and what the
+    checkpoint's tensors have filled so far. ``quantize_linears=False`` keeps bf16 linears as the checkpoint holds
+    them (a pre-quantized checkpoint's skip list)."""
+
+    def __init__(self, path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dtype: torch.dtype,
+                 quantize_linears: bool = True):
+        self.path, self.ckpt, self.config, self.qcfg, self.dtype = path, ckpt, config, qcfg, dtype
+        self.arch: Arch = get_arch(config)
+        self.model = skeleton(config, dtype)
+        self.builders: dict[str, ExpertsBuilder] = {}
+        self.linears: dict[str, object] = {}
+        for name, mod in self.model.named_modules():
+            fmt = qcfg.for_module(name, never=self.arch.keep)
+            if is_experts(mod):
+                self.builders[name] = ExpertsBuilder(name, mod, self.arch, fmt,
+                                                     activation_for(self.arch, mod, config), dtype)
+            elif isinstance(mod, nn.Linear) and fmt.name != "none" and quantize_linears:
+                self.linears[name] = fmt
+        self.pending_bias: dict[str, torch.Tensor] = {}
+        self.unused: list[str] = []
+
+    def _build_if_complete(self, mod: str) -> None:
+        """Swap in an experts module as soon as all its pieces arrived: bounded memory (one module's pieces)."""
+        b = self.builders[mod]
+        if not b.built and not b.missing():
+            install_experts(self.model, mod, b.build(), b.arch)
+            release_memory()
+
+    def route(self, key: str) -> None:
+        """One plain tensor of the checkpoint: an expert piece (quantized at once), a linear's weight (quantized) or
+        bias, or any other parameter/buffer (set; a key the model has no place for is noted and reported)."""
+        name = self.arch.rename(key)
+        m = self.arch.expert_key_re.match(name) or FUSED_KEY_RE.match(name)
+        if m and m["mod"] in self.builders:
+            b = self.builders[m["mod"]]
+            if "e" in m.groupdict():
+                b.put(int(m["e"]), self.arch.proj_kind(m["proj"]), read_float(self.ckpt, key), key)
+            elif m["bias"]:
+                b.put_bias(m["param"], read_float(self.ckpt, key), key)
+            else:
+                b.put_fused(m["param"], lambda e: read_float(self.ckpt, key, e), self.ckpt.tensors[key].shape, key)
+            self._build_if_complete(m["mod"])
+            return
+        mod_name, _, attr = name.rpartition(".")
+        if mod_name in self.linears and attr == "weight":
+            lin = self.model.get_submodule(mod_name)
+            if tuple(lin.weight.shape) != tuple(self.ckpt.tensors[key].shape):
+                raise MoeqError(f"{key}: shape {list(self.ckpt.tensors[key].shape)} does not match the config "
+                                f"(expected {list(lin.weight.shape)})")
+            w = read_float(self.ckpt, key).to(lin.weight.dtype)
+            bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
+            set_module(self.model, mod_name, quantize_linear(mod_name, w, bias, self.linears.pop(mod_name)))
+            return
+        if mod_name in self.linears and attr == "bias":
+            lin = self.model.get_submodule(mod_name)
+            if lin.bias is None:  # the config builds this Linear without a bias
+                self.unused.append(key)
+                return
+            if tuple(lin.bias.shape) != tuple(self.ckpt.tensors[key].shape):
+                raise MoeqError(f"{key}: shape {list(self.ckpt.tensors[key].shape)} does not match the config "
+                                f"(expected {list(lin.bias.shape)})")
+            b = read_float(self.ckpt, key)
+            check_finite(b, key)
+            self.pending_bias[mod_name] = b.to(lin.weight.dtype)
+            return
+        set_or_note_unused(self.model, name, self.ckpt.read(key), key, self.unused)
+
+    def put_packed(self, head: str, q: PackedWeight) -> None:
+        """An already-quantized weight (a pre-quantized checkpoint's): an expert slice, a quantized Linear, or — when
+        transformers 5 holds that module as a plain weight (routers) — dequantized once into the compute dtype."""
+        name = self.arch.rename(head)
+        m = self.arch.expert_key_re.match(name)
+        if m and m["mod"] in self.builders:
+            self.builders[m["mod"]].put_packed(int(m["e"]), self.arch.proj_kind(m["proj"]), q, head)
+            self._build_if_complete(m["mod"])
+            return
+        if FUSED_KEY_RE.match(name):
+            raise MoeqError(f"{head}: quantized fused 3-D experts are not a bitsandbytes layout moeq knows")
+        mod_name = name[: -len(".weight")]
+        try:
+            mod = self.model.get_submodule(mod_name)
+        except AttributeError:
+            raise MoeqError(f"{head}: no module {mod_name!r} in the model built from config.json") from None
+        if isinstance(mod, nn.Linear):
+            if tuple(q.shape) != tuple(mod.weight.shape):
+                raise MoeqError(f"{head}: quantized shape {list(q.shape)} does not match the config "
+                                f"(expected {list(mod.weight.shape)})")
+            bias = existing_bias(mod, self.pending_bias.pop(mod_name, None))
+            set_module(self.model, mod_name, QuantLinear(q, bias))
+            return
+        log.info("%s: quantized in the checkpoint, dequantized into %s (its module is not a Linear)", head, self.dtype)
+        set_tensor(self.model, name, q.dequantize(self.dtype), head)
+
+    def finish(self) -> nn.Module:
+        """Biases that arrived before their weight, complete experts, the saved-format quantization_config, the
+        generation config, then :func:`finish_model`."""
+        for name, b in self.pending_bias.items():
+            self.model.get_submodule(name).bias = nn.Parameter(b, requires_grad=False)
+        incomplete = [m for b in self.builders.values() if not b.built for m in b.missing()]
+        if incomplete:
+            raise MoeqError(f"checkpoint {self.path} lacks expert weights: {'; '.join(incomplete[:10])}"
+                            + (f" (+{len(incomplete) - 10} more)" if len(incomplete) > 10 else ""))
+        self.model.config.quantization_config = quantization_config(self.model, self.qcfg)
+        load_generation_config(self.model, self.path)
+        return finish_model(self.model, self.unused, self.config)

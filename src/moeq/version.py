@@ -1,0 +1,2 @@
+"""The package version (one place: pyproject reads it from here)."""
+__version__ = "0.1.0"
