@@ -1,5 +1,6 @@
 """Architectures as data: how a family's checkpoint keys map onto transformers 5.x modules and how its experts are
-laid out. Adding a family that transformers defines is a table entry plus a test.
+laid out. Adding a family that transformers defines is a table entry plus a test (an :class:`Arch` row in
+``ARCHS`` below, and the family in ``moeq.tiny`` and ``tests/models/test_architectures.py``).
 
 Checkpoint keys are first rewritten by ``renames`` (regex, replacement), then matched as
 - per-expert 2-D weights ``{moe}.experts.{expert}.{gate|up|down}.weight`` (names from ``expert_names``),

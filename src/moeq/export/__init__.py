@@ -5,6 +5,11 @@
 | ``bnb`` | transformers + bitsandbytes (dense part), vLLM bitsandbytes, moeq | NF4/FP4 (double quant as stored), LLM.int8 |
 | ``compressed-tensors`` | vLLM (Marlin/Triton MoE), transformers, compressed_tensors | RTN int4/int8, sym/asym, group/row |
 | ``gguf`` | llama.cpp (and its bindings, ollama, LM Studio) | mixtral/qwen2_moe/qwen3_moe/olmoe; Q4_0/Q8_0 exact from symmetric RTN g32, else re-quantized |
+
+Adding an exporter: one module here with ``SUPPORTS`` (what it takes, for ``--help`` and errors), a ``_check`` that
+refuses what the engine cannot load (naming the module and the command that works), and ``export(model, tmp, arch,
+...) -> summary`` writing into the temporary directory :func:`export` hands it (atomic, like every output); then its
+line in :data:`EXPORTERS` and a test that loads the result with the engine's own library.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import torch
 
@@ -13,46 +14,64 @@ from moeq.native import Fmt, WStack
 MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measured)
 
 
+_DESCRIBERS: dict[str, Callable] = {}
+
+
+def describer(fmt: str):
+    """Register how the native kernels read packed weights of format ``fmt`` (one function per format)."""
+    def deco(fn):
+        _DESCRIBERS[fmt] = fn
+        return fn
+    return deco
+
+
 def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
     """Describe an expert stack ``[E, N, K]`` (or one weight ``[N, K]``) for the native kernels, or None outside their
     formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
     may take activations as bf16 (AVX512-BF16 dot products)."""
-    if len(w.shape) not in (2, 3):
+    fn = _DESCRIBERS.get(w.format)
+    if fn is None or len(w.shape) not in (2, 3):
         return None
     e = w.shape[0] if len(w.shape) == 3 else 1
     n, k = w.shape[-2:]
-    if isinstance(w, RTNWeight):
-        gs = k if w.group_size == -1 else w.group_size
-        if w.bits not in (4, 8) or gs % 32 or w.scale.dtype not in (torch.bfloat16, torch.float32):
-            return None
-        if not native.usable(w.qdata, w.scale, w.zero):
-            return None
-        ng = e * n * (k // gs)
-        native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
-        keep += [w.qdata, w.scale, w.zero]
-        return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
-                      scale_bf16=int(w.scale.dtype == torch.bfloat16), absmax_u8=0, zero=native.ptr(w.zero),
-                      bits=w.bits, gs=gs, spe=1, N=n, K=k)
-    if isinstance(w, Bnb4Weight):
-        spe = w.slices // e if w.slices % e == 0 else 0
-        if spe == 0 or k % w.blocksize or w.blocksize % 32 or (n * k // spe) % w.blocksize:
-            return None
-        code = w.code.float().contiguous()
-        tensors = [w.packed, w.absmax, code, w.offset, w.nested_absmax, w.nested_code]
-        if not native.usable(*tensors):
-            return None
-        dq = w.offset is not None
-        nb = e * n * k // w.blocksize
-        native.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
-        if dq:
-            native.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
-                     (w.nested_absmax, w.slices * -(-(nb // w.slices) // 256) * 4))
-        keep += tensors
-        return WStack(fmt=Fmt.BNB4, dot_bf16=int(dot_bf16 and w.blocksize % 64 == 0), q=w.packed.data_ptr(),
-                      scale=w.absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
-                      code=code.data_ptr(), offset=native.ptr(w.offset), nested_absmax=native.ptr(w.nested_absmax),
-                      nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
-    return None
+    return fn(w, e, n, k, keep, dot_bf16)
+
+
+@describer("rtn")
+def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
+    gs = k if w.group_size == -1 else w.group_size
+    if w.bits not in (4, 8) or gs % 32 or w.scale.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not native.usable(w.qdata, w.scale, w.zero):
+        return None
+    ng = e * n * (k // gs)
+    native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
+    keep += [w.qdata, w.scale, w.zero]
+    return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
+                  scale_bf16=int(w.scale.dtype == torch.bfloat16), absmax_u8=0, zero=native.ptr(w.zero),
+                  bits=w.bits, gs=gs, spe=1, N=n, K=k)
+
+
+@describer("bnb4")
+def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
+    spe = w.slices // e if w.slices % e == 0 else 0
+    if spe == 0 or k % w.blocksize or w.blocksize % 32 or (n * k // spe) % w.blocksize:
+        return None
+    code = w.code.float().contiguous()
+    tensors = [w.packed, w.absmax, code, w.offset, w.nested_absmax, w.nested_code]
+    if not native.usable(*tensors):
+        return None
+    dq = w.offset is not None
+    nb = e * n * k // w.blocksize
+    native.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
+    if dq:
+        native.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
+                    (w.nested_absmax, w.slices * -(-(nb // w.slices) // 256) * 4))
+    keep += tensors
+    return WStack(fmt=Fmt.BNB4, dot_bf16=int(dot_bf16 and w.blocksize % 64 == 0), q=w.packed.data_ptr(),
+                  scale=w.absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
+                  code=code.data_ptr(), offset=native.ptr(w.offset), nested_absmax=native.ptr(w.nested_absmax),
+                  nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
 
 
 def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: torch.Tensor,

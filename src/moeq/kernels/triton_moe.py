@@ -14,6 +14,7 @@ bf16 ``tl.dot`` is wrong, so tests use fp32/fp16 activations there.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import triton
@@ -43,32 +44,52 @@ class KernelWeight:
         return self.q.shape[0]
 
 
+_LAYOUTS: dict[str, Callable] = {}
+
+
+def layout(fmt: str):
+    """Register how the Triton kernel reads packed weights of format ``fmt`` (one function per format)."""
+    def deco(fn):
+        _LAYOUTS[fmt] = fn
+        return fn
+    return deco
+
+
 def kernel_layout(w: PackedWeight) -> KernelWeight | None:
     """The kernel's view of a 2-D ``[N, K]`` or 3-D ``[E, N, K]`` packed weight, or None when the kernel cannot
     read it (2/3-bit RTN, NF4/FP4 blocks that straddle rows); callers fall back to dequantize-per-expert."""
     shape = tuple(w.shape)
-    if len(shape) not in (2, 3):
+    fn = _LAYOUTS.get(w.format)
+    if fn is None or len(shape) not in (2, 3):
         return None
     e, n, k = (1, *shape) if len(shape) == 2 else shape
-    if isinstance(w, RTNWeight):
-        if w.bits not in (4, 8) or k % 2:
-            return None
-        gs = k if w.group_size == -1 else w.group_size
-        q = w.qdata.reshape(e, n, -1)
-        zero = None if w.zero is None else w.zero.reshape(e, n, -1)
-        return KernelWeight(q, w.scale.reshape(e, n, -1), zero, None, Q_RTN4 if w.bits == 4 else Q_RTN8, gs, n, k)
-    if isinstance(w, Bnb4Weight):
-        bs = w.blocksize
-        per_slice = w.numel // w.slices
-        if k % bs or per_slice % bs or per_slice % k:
-            return None
-        absmax = w.resolved_absmax().float().reshape(e, n, k // bs)
-        return KernelWeight(w.packed.reshape(e, n, k // 2), absmax, None, w.code.float().contiguous(), Q_BNB4, bs,
-                            n, k)
-    if isinstance(w, Int8Weight):
-        scale = (w.scb.float() * INV127).reshape(e, n, 1)
-        return KernelWeight(w.weight.reshape(e, n, k).view(torch.uint8), scale, None, None, Q_INT8, k, n, k)
-    return None
+    return fn(w, e, n, k)
+
+
+@layout("rtn")
+def _layout_rtn(w: RTNWeight, e: int, n: int, k: int) -> KernelWeight | None:
+    if w.bits not in (4, 8) or k % 2:
+        return None
+    gs = k if w.group_size == -1 else w.group_size
+    q = w.qdata.reshape(e, n, -1)
+    zero = None if w.zero is None else w.zero.reshape(e, n, -1)
+    return KernelWeight(q, w.scale.reshape(e, n, -1), zero, None, Q_RTN4 if w.bits == 4 else Q_RTN8, gs, n, k)
+
+
+@layout("bnb4")
+def _layout_bnb4(w: Bnb4Weight, e: int, n: int, k: int) -> KernelWeight | None:
+    bs = w.blocksize
+    per_slice = w.numel // w.slices
+    if k % bs or per_slice % bs or per_slice % k:
+        return None
+    absmax = w.resolved_absmax().float().reshape(e, n, k // bs)
+    return KernelWeight(w.packed.reshape(e, n, k // 2), absmax, None, w.code.float().contiguous(), Q_BNB4, bs, n, k)
+
+
+@layout("int8")
+def _layout_int8(w: Int8Weight, e: int, n: int, k: int) -> KernelWeight:
+    scale = (w.scb.float() * INV127).reshape(e, n, 1)
+    return KernelWeight(w.weight.reshape(e, n, k).view(torch.uint8), scale, None, None, Q_INT8, k, n, k)
 
 
 @triton.jit

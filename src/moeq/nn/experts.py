@@ -64,6 +64,7 @@ class QuantExperts(nn.Module):
         set_packed(self, "w2", w2)
         self.b13 = None if b13 is None else nn.Parameter(b13, requires_grad=False)  # [E, 2I]
         self.b2 = None if b2 is None else nn.Parameter(b2, requires_grad=False)  # [E, H]
+        self.choose_kernel()
 
     @property
     def w13(self) -> PackedWeight:
@@ -74,11 +75,27 @@ class QuantExperts(nn.Module):
         return get_packed(self, "w2")
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_dim}, inter={self.intermediate_dim}, w13={self.w13!r}"
+        return (f"experts={self.num_experts}, hidden={self.hidden_dim}, inter={self.intermediate_dim}, "
+                f"kernel={self.kernel}, w13={self.w13!r}")
+
+    def choose_kernel(self) -> str:
+        """Pick the forward for where the weights live and what the module computes, once (at build and after
+        ``.to()``): ``triton`` on CUDA, ``native`` on CPU for SiLU-GLU experts without biases or input weighting
+        (the fused decode kernels), else ``torch`` (dequantize + matmul per routed expert)."""
+        dev = self.w13.device.type
+        plain = (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
+                 and not self.weight_on_input)
+        self.kernel = "triton" if dev == "cuda" else "native" if dev == "cpu" and plain else "torch"
+        return self.kernel
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.choose_kernel()
+        return out
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if hidden_states.device.type == "cuda":
+        if self.kernel == "triton":
             from moeq.kernels import gpu  # noqa: PLC0415
 
             y = gpu.experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -89,8 +106,7 @@ class QuantExperts(nn.Module):
             n = MAX_TOKENS_PER_PASS
             return torch.cat([self(hidden_states[i:i + n], top_k_index[i:i + n], top_k_weights[i:i + n])
                               for i in range(0, t, n)])
-        native = (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
-                  and not self.weight_on_input and hidden_states.device.type == "cpu")
+        native = self.kernel == "native" and hidden_states.device.type == "cpu"
         if native and t <= MOE_MAX_ROWS:  # decode: routing and every routed expert in one native call
             y = moe_routed(self, hidden_states, top_k_index, top_k_weights)
             if y is not None:

@@ -16,22 +16,35 @@ class QuantLinear(nn.Module):
         set_packed(self, "weight", weight)
         # registered even when None, so a loader can fill it by name
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
+        self.choose_kernel()
+
+    def choose_kernel(self) -> str:
+        """Pick the forward for where the weight lives, once (at build and after ``.to()``): ``triton`` on CUDA,
+        ``native`` on CPU (the one-call bf16 decode linear, then the registered gemv kernels), else ``torch``."""
+        dev = self.qweight.device.type
+        self.kernel = "triton" if dev == "cuda" else "native" if dev == "cpu" else "torch"
+        return self.kernel
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.choose_kernel()
+        return out
 
     @property
     def qweight(self) -> PackedWeight:
         return get_packed(self, "weight")
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, weight={self.qweight!r}"
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, weight={self.qweight!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda":
+        if self.kernel == "triton":
             from moeq.kernels import gpu  # noqa: PLC0415
 
             y = gpu.linear_forward(self, x)
             if y is not None:
                 return y
-        elif x.device.type == "cpu":
+        elif self.kernel == "native" and x.device.type == "cpu":
             y = cpu_ops.quant_linear_bf16(self, x)
             if y is not None:
                 return y
