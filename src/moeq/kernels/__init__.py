@@ -14,9 +14,8 @@ from moeq.kernels.registry import kernels_for, register  # noqa: F401
 
 
 # Weights above CHUNKED_ABOVE elements (lm_head-sized) are dequantized DEQUANT_CHUNK elements at a time into one
-# reused buffer (4 MiB in bf16: stays in cache) instead of into a weight-sized temporary (measured on the
-# 151936x2048 int8 lm_head at 512 rows: 0.92-1.07 s dequantize-whole + matmul vs 0.75 s for the bf16 matmul alone).
-# Smaller weights (experts, attention) run whole: their matmuls measured slower when split.
+# reused buffer (4 MiB in bf16: stays in cache) instead of into a weight-sized temporary, which made a quantized
+# lm_head slower than the bf16 one. Smaller weights (experts, attention) run whole: their matmuls are slower split.
 CHUNKED_ABOVE = 1 << 24
 DEQUANT_CHUNK = 1 << 21
 

@@ -1,10 +1,10 @@
 """Decode-step attention for CPU: transformers' ``sdpa`` with a cheaper path for one query token.
 
-torch's CPU ``scaled_dot_product_attention`` costs ~190-340 µs for a single query token against a short cache
-(measured: 32 query / 4 kv heads, head_dim 128, 100 cached tokens), a flash kernel built for long queries; the same
-product as three small fp32 ops — scores for each kv head's group of query heads, softmax, weighted values — takes
-~80 µs, and computes in fp32 rather than bf16. bf16 inputs with at most one mask row per sequence go further: one
-native call that reads the cache in place (~45 µs against ~136 µs for those three ops). Everything else (prefill,
+torch's CPU ``scaled_dot_product_attention`` is a flash kernel built for long queries and costs several times more
+for a single query token against a short cache than the same product as three small fp32 ops — scores for each kv
+head's group of query heads, softmax, weighted values — which also compute in fp32 rather than bf16. bf16 inputs with
+at most one mask row per sequence go further: one native call that reads the cache in place (the README's "where the
+time goes" has the measured costs). Everything else (prefill,
 dropout, softcap, position bias, attention sinks, CUDA) is transformers' own ``sdpa_attention_forward``, and masks
 are built by its ``sdpa_mask``.
 
@@ -63,8 +63,8 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, cty
 
 def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor | None:
-    """bf16 inputs with no mask or one mask row per sequence: one native call reading the cache in place (~44 us
-    per layer against ~136 us for the torch ops below, which convert the whole cache to fp32 first)."""
+    """bf16 inputs with no mask or one mask row per sequence: one native call reading the cache in place (the torch ops
+    below convert the whole cache to fp32 first)."""
     b, hq, _, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16

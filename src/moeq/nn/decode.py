@@ -1,9 +1,9 @@
 """Native forwards for the small per-layer modules of a CPU decode step: RMSNorms, softmax top-k routers and the
 glue of Llama-style attention (RoPE, cache update, the attention itself).
 
-At one token their work is a few thousand flops, yet transformers' forwards cost 20-200 µs each in torch op dispatch
-(measured on the Qwen3-30B-A3B-shaped benchmark model: RMSNorm ~60 µs and router ~200 µs per layer inside a decode
-step). At 48 layers that is tens of ms per token, as much as the weights take to stream. Each forward here is one
+At one token their work is a few thousand flops, yet transformers' forwards cost tens to hundreds of µs each in torch
+op dispatch (README, "where the time goes"); over a model's layers that is as much per token as the weights take to
+stream. Each forward here is one
 native call for bf16 CPU inputs of up to :data:`MAX_ROWS` rows and the module's own forward otherwise.
 
 A fast forward is installed per module instance, and only after it reproduced that module's own output on a probe

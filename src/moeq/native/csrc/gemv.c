@@ -8,8 +8,8 @@
 #if defined(__AVX512F__)
 // One output row for a compile-time M (keeps the accumulators in registers). This exact form (8-bit x addressed
 // from the group base, U = CHAINS(M) chains with a tail loop, two accumulator sets summed per group) measured
-// ~35 GB/s for the 8-bit M=1 gemv (every 4-bit preset's lm_head) vs ~19 GB/s for simpler-looking variants on
-// this machine kind, side by side; more chains (U > 1) and split 4-bit accumulators measured slower.
+// close to twice the bandwidth of simpler-looking variants for the 8-bit M=1 gemv (every 4-bit preset's lm_head),
+// side by side; more chains (U > 1) and split 4-bit accumulators measured slower.
 #define CHAINS(M) 1
 static inline __attribute__((always_inline)) void rtn_row_avx512(
     const float* xe, const float* xo, const float* xsum, const i64 M, const uint8_t* q, const void* scale,
@@ -135,7 +135,7 @@ void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uin
                          int scale_bf16, const uint8_t* zero, i64 N, i64 K, i64 gs, float* y, int perm64) {
     const i64 G = K / gs;
 #if defined(__AVX512BF16__)
-    if (M == 1 && perm64) {  // decode's common case in a loop of its own (measured ~15% faster than via the M loop)
+    if (M == 1 && perm64) {  // decode's common case in a loop of its own (faster than via the M loop, measured)
         if (scale_bf16 && !zero) {
 #pragma omp parallel for schedule(static)
             for (i64 n = 0; n < N; n++) y[n] = rtn4_row1_p64(xb, xsum, q, scale, 1, NULL, n, K, gs);
@@ -182,8 +182,7 @@ void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uin
 // most max|x| 2^-16; the codes (0..255) widen to int16 as they are. sum (c - z) x = s (sum c xq - z sum xq), in
 // int32 (chunks of 4096 weights cannot overflow: 4096/16 pairs of |c xq| <= 255 * 32640 per lane), then fp32.
 // Replaces two bf16 dot products per 32 weights (the codes split into nibbles); on the 151936x2048 lm_head at one
-// row, side by side: as fast as a plain read of the weights (6.4 vs 7.4 ms for the bf16-dot form when the machine's
-// memory runs at ~50 GB/s; all equal at ~33 GB/s).
+// row, side by side: as fast as a plain read of the weights (README, Benchmarks).
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 // One row of bf16 x -> xq int16 [K], per group: scale sx, and sx * sum xq (the zero-point term's sum of x). A group
 // holding NaN/Inf gets a NaN scale, so its outputs come out NaN; groups below 1e-30 count as zero.
@@ -300,7 +299,7 @@ int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void*
 }
 
 // y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
-// routers (a few hundred KB of weight), where torch's CPU bf16 gemv costs ~45 us. K % 32 == 0; returns 0 (nothing
+// routers (a few hundred KB of weight), where torch's CPU bf16 gemv is dominated by dispatch. K % 32 == 0; returns 0 (nothing
 // written) otherwise or without AVX512-BF16.
 int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
 #if defined(__AVX512BF16__)

@@ -92,7 +92,7 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
 
 // A whole decode-path linear in one call for bf16 activations: y [M, N] bf16 = bf16(bf16(x W^T) + bias) as the Python
 // path computes it (rounded, then the bias added in bf16), W described like one expert (RTN 4/8-bit or NF4/FP4,
-// double quant included). Saves the ~30 us of torch glue per call the Python path spends around the same kernels.
+// double quant included). Saves the torch glue per call the Python path spends around the same kernels.
 // scratch (floats): M*K + expert_gemv's + M*N.
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
                             float* scratch) {

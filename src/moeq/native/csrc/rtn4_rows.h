@@ -7,7 +7,7 @@
 #if defined(__AVX512BF16__)
 // Once per weight row of the AVX512-BF16 RTN kernels: its G scales as fp32 into sf (per group only a broadcast from
 // L1 remains) and its zero terms sum_g (z_g + offset) s_g xsum[m, g] added to zt[m] as one dot product per x row,
-// z_g = zero[g] or zdefault (~20% faster at one row than scalar work per group, measured).
+// z_g = zero[g] or zdefault (faster at one row than scalar work per group, measured).
 static inline __attribute__((always_inline)) void row_scales(
     const void* scale, int scale_bf16, const uint8_t* zero, float zdefault, float offset, const float* xsum,
     const i64 M, i64 n, i64 G, float* sf, float* zt) {
@@ -91,9 +91,9 @@ static inline __attribute__((always_inline)) void rtn4_row_dpbf16_p64(
 }
 
 // One x row, groups of 64 (x in x_to_bf16's permuted order): one accumulator chain per group and the row's scales
-// prepared inline. Measured against rtn4_row_dpbf16_p64 at M = 1, side by side: 4096x2048 121 -> 101 us, 2048x768
-// 35 -> 24 us, 49152x2048 1.50 -> 1.29 ms. (Blocking 2-4 weight rows per step was faster on cache-sized matrices
-// but halved the speed on the 49152-row one: more concurrent streams per core.)
+// prepared inline: faster than rtn4_row_dpbf16_p64 at M = 1 on every expert and head shape measured side by side.
+// (Blocking 2-4 weight rows per step was faster on cache-sized matrices but halved the speed on lm_head-sized ones:
+// more concurrent streams per core.)
 static inline __attribute__((always_inline)) float rtn4_row1_p64(
     const uint16_t* xb, const float* xsum, const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero,
     i64 n, i64 K, i64 gs) {
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void rtn4_row_bf16(
                                      : rtn4_row1_p64(xb, xsum, q, scale, scale_bf16, zero, n, K, gs);
         return;
     }
-    // 2-8 rows, the presets' layout known at compile time (~10% faster, measured at one row before the form above)
+    // 2-8 rows, the presets' layout known at compile time (faster, measured at one row before the form above)
 #define DP_SYM_CASE(c) case c: rtn4_row_dpbf16_p64(xb, xsum, c, q, scale, 1, NULL, n, K, gs, out, zt); break;
     if (perm64 && scale_bf16 && !zero) {
         switch (M) { DP_SYM_CASE(2) DP_SYM_CASE(3) DP_SYM_CASE(4) DP_SYM_CASE(5) DP_SYM_CASE(6) DP_SYM_CASE(7)
