@@ -11,7 +11,7 @@ from torch import nn
 
 from moeq.arch import get_arch
 from moeq.config import FormatConfig, QuantConfig
-from moeq.convert import ExpertsBuilder, activation_for, install_experts, is_experts, quantize_linear, set_module
+from moeq.convert import ExpertsBuilder, activation_for, install_experts, plan, quantize_linear, set_module
 from moeq.formats import PackedWeight
 from moeq.io.writer import atomic_dir, copy_side_files, model_sources, unique_tensors, write_shards
 from moeq.record import quantization_config
@@ -26,22 +26,24 @@ def quantize_(model: nn.Module, config: QuantConfig | FormatConfig | str) -> nn.
     ``nn.Linear`` modules become :class:`QuantLinear`, following ``config``'s rules and the default policy."""
     qcfg = QuantConfig.of(config)
     arch = get_arch(model.config)
+    experts, linears = plan(model, arch, qcfg)
     targets = [(n, m) for n, m in model.named_modules()]
     for name, mod in targets:
-        fmt = qcfg.for_module(name, never=arch.keep)
-        if is_experts(mod):
+        if name in experts:
+            fmt, fmt2 = experts[name]
             if fmt.name == "none":
                 continue
-            b = ExpertsBuilder(name, mod, arch, fmt, activation_for(arch, mod, model.config), mod.gate_up_proj.dtype)
+            b = ExpertsBuilder(name, mod, arch, fmt, activation_for(arch, mod, model.config), mod.gate_up_proj.dtype,
+                               fmt2)
             b.put_fused("gate_up_proj", lambda i: mod.gate_up_proj.data[i], tuple(mod.gate_up_proj.shape), name)
             b.put_fused("down_proj", lambda i: mod.down_proj.data[i], tuple(mod.down_proj.shape), name)
             if b.has_bias:
                 b.put_bias("gate_up_proj", mod.gate_up_proj_bias.data, name)
                 b.put_bias("down_proj", mod.down_proj_bias.data, name)
             install_experts(model, name, b.build(), arch)
-        elif isinstance(mod, nn.Linear) and fmt.name != "none":
+        elif name in linears:
             bias = None if mod.bias is None else mod.bias.data
-            set_module(model, name, quantize_linear(name, mod.weight.data, bias, fmt))
+            set_module(model, name, quantize_linear(name, mod.weight.data, bias, linears[name]))
     model.config.quantization_config = quantization_config(model, qcfg)
     return model
 

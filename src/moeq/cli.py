@@ -70,9 +70,11 @@ def _quant_config(args):
     rules = []
     for r in args.rule or []:
         pat, _, m = r.rpartition("=")
-        if not pat.strip() or not m:
-            raise MoeqError(f"--rule {r!r}: expected PATTERN=METHOD, e.g. 'lm_head=rtn-int8'")
-        rules.append((pat, method(m, args.group_size)))
+        m, _, gs = m.partition(":")
+        if not pat.strip() or not m or (gs and not gs.lstrip("-").isdigit()):
+            raise MoeqError(f"--rule {r!r}: expected PATTERN=METHOD[:GROUP], e.g. 'lm_head=rtn-int8' or "
+                            "'*.experts.w2=rtn-int4:64'")
+        rules.append((pat, method(m, int(gs) if gs else None)))  # a rule's own group size, not --group-size
     return QuantConfig(method(args.method, args.group_size), tuple(rules))
 
 
@@ -259,9 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def method_args(sp, default):
         sp.add_argument("--method", default=default, choices=sorted(METHODS))
-        sp.add_argument("--group-size", type=_group_size, default=None, help="RTN group / bnb block size")
-        sp.add_argument("--rule", action="append", metavar="PATTERN=METHOD",
-                        help="per-module override, glob on module names, e.g. 'lm_head=rtn-int8' (repeatable)")
+        sp.add_argument("--group-size", type=_group_size, default=None,
+                        help="RTN group / bnb block size of --method (default: the method's; a tensor it does not "
+                        "divide falls back to the largest multiple of 16 that does, or one group per row)")
+        sp.add_argument("--rule", action="append", metavar="PATTERN=METHOD[:GROUP]",
+                        help="per-module override (repeatable, first match wins): a glob on module, checkpoint or "
+                        "inspect names, e.g. 'lm_head=rtn-int8', '*.block_sparse_moe.*=nf4', '*.experts.w2=rtn-int8', "
+                        "'*.self_attn.*=rtn-int8:64' (a rule keeps its method's group size unless it gives one); a "
+                        "rule that matches nothing is an error")
         sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype")
         sp.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda[:N]: on a GPU, tensors stream to it and are quantized there")

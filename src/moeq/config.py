@@ -89,8 +89,22 @@ class RTN(FormatConfig):
                              "4096 or -1")
 
     def quantize(self, w, name=None, slices=None):
-        return rtn.quantize(w, self.bits, self.group_size, self.symmetric, self.grid, name=name, search=self.search,
-                            refine=self.refine, hqq=self.hqq)
+        return rtn.quantize(w, self.bits, self.group_size_for(w.shape[-1]), self.symmetric, self.grid, name=name,
+                            search=self.search, refine=self.refine, hqq=self.hqq)
+
+    def group_size_for(self, k: int) -> int:
+        """The group size used on a tensor with last dim ``k``: ``group_size`` when it divides ``k``, else the
+        largest of its halvings (down to 16) that does — e.g. 64 for K=576 at g128, the group sizes kernels and
+        engines support —, else one group per row (-1). The default path then fits any model; ``inspect`` shows
+        each tensor's actual group size."""
+        gs = self.group_size
+        if gs == -1 or k % gs == 0:
+            return gs
+        while gs > 16:
+            gs //= 2
+            if gs % 16 == 0 and k % gs == 0:
+                return gs
+        return -1
 
     def label(self) -> str:
         kind = "asym" if not self.symmetric else ("" if self.grid == "vllm" else self.grid)
@@ -204,6 +218,7 @@ class QuantConfig:
     default: FormatConfig = dataclasses.field(default_factory=lambda: RTN())
     rules: tuple[tuple[str, FormatConfig], ...] = ()
     version: int = dataclasses.field(default=CONFIG_VERSION, kw_only=True)
+    strict: bool = dataclasses.field(default=True, kw_only=True)  # a rule that matches nothing is an error
 
     def __post_init__(self):
         _check_version(self.version, "quantization config")
@@ -233,7 +248,7 @@ class QuantConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "default": self.default.to_dict(),
-                "rules": [[p, c.to_dict()] for p, c in self.rules]}
+                "rules": [[p, c.to_dict()] for p, c in self.rules], "strict": self.strict}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> QuantConfig:
@@ -244,7 +259,8 @@ class QuantConfig:
             rules = tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("rules", []))
         except (TypeError, ValueError) as e:
             raise MoeqError(f"quantization config rules malformed: {e}") from None
-        return QuantConfig(FormatConfig.from_dict(d["default"]), rules, version=d.get("version", 1))
+        return QuantConfig(FormatConfig.from_dict(d["default"]), rules, version=d.get("version", 1),
+                           strict=bool(d.get("strict", True)))
 
 
 def presets() -> dict[str, QuantConfig]:
@@ -253,7 +269,50 @@ def presets() -> dict[str, QuantConfig]:
     eight = RTN(8, 64)
     return {
         # attention, shared experts and lm_head 8-bit; routed experts 4-bit with the calibration-free optimizer
-        "balanced": QuantConfig(opt4, rules={"*.self_attn.*": eight, "*shared_expert*": eight, "lm_head": eight}),
+        "balanced": QuantConfig(opt4, rules={"*.self_attn.*": eight, "*shared_expert*": eight, "lm_head": eight},
+                                strict=False),
         # everything 4-bit with the optimizer; lm_head 8-bit
-        "small": QuantConfig(opt4, rules={"lm_head": eight}),
+        "small": QuantConfig(opt4, rules={"lm_head": eight}, strict=False),
     }
+
+
+class Policy:
+    """A :class:`QuantConfig` applied to one model: which format each module (or expert slot) gets, matching rules
+    against every name a user sees for it — the module name (``model.layers.0.mlp.experts``), the checkpoint's name
+    (``model.layers.0.block_sparse_moe.experts``, ``....experts.0.w2``) and the names ``inspect`` prints
+    (``....experts.w13`` / ``.w2``) — and remembering which rules matched, so a rule that matches nothing is an
+    error listing close names instead of being silently ignored. ``never``: an architecture's never-quantize globs."""
+
+    def __init__(self, qcfg: QuantConfig, never: tuple[str, ...] = ()):
+        self.qcfg, self.never = qcfg, never
+        self.used: set[int] = set()
+        self.seen: list[str] = []
+
+    def format_for(self, *names: str) -> FormatConfig:
+        """The format for a module or slot known under ``names`` (first: its module name)."""
+        self.seen.extend(names)
+        if any(fnmatch.fnmatchcase(names[0], p) for p in self.never):
+            return Keep()
+        for i, (pattern, cfg) in enumerate(self.qcfg.rules):
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                self.used.add(i)
+                return cfg
+        if any(fnmatch.fnmatchcase(names[0], p) for p in DEFAULT_KEEP):
+            return Keep()
+        return self.qcfg.default
+
+    def check_rules(self) -> None:
+        """Raise for a rule that matched no module (or only modules an earlier rule already took)."""
+        if not self.qcfg.strict:
+            return
+        import difflib  # noqa: PLC0415
+
+        for i, (pattern, _) in enumerate(self.qcfg.rules):
+            if i in self.used:
+                continue
+            close = difflib.get_close_matches(pattern, sorted(set(self.seen)), n=5, cutoff=0.4)
+            earlier = any(fnmatch.fnmatchcase(n, pattern) for n in self.seen)
+            raise MoeqError(f"rule {pattern!r} matches no module" + (
+                " that an earlier rule did not already take" if earlier else "") + (
+                f"; close names: {close}" if close else "") + " (names: module, checkpoint or inspect names, "
+                "e.g. 'model.layers.0.mlp.experts', '*.experts.w2', '*.self_attn.*', 'lm_head')")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moeq.arch import Arch
-from moeq.config import FormatConfig, Keep
+from moeq.config import FormatConfig, Keep, Policy, QuantConfig
 from moeq.formats import PackedWeight
 from moeq.formats.base import check_finite
 from moeq.nn import Activation, Llama4MoeAdapter, QuantExperts, QuantLinear
@@ -59,9 +59,13 @@ class ExpertsBuilder:
     """Collects one experts module's pieces; ``build()`` returns its replacement module."""
 
     def __init__(self, name: str, module: nn.Module, arch: Arch, fmt: FormatConfig, activation: Activation,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, fmt2: FormatConfig | None = None):
         self.name, self.module, self.arch, self.fmt, self.activation, self.dtype = (
             name, module, arch, fmt, activation, dtype)
+        self.fmt2 = fmt if fmt2 is None else fmt2  # w2 (down) may have its own format
+        if isinstance(self.fmt, Keep) != isinstance(self.fmt2, Keep):
+            raise MoeqError(f"{name}: w13 and w2 must both be quantized or both kept (rules give "
+                            f"{self.fmt.label()} and {self.fmt2.label()})")
         self.num_experts, self.hidden, self.inter = experts_dims(module, arch)
         self.pieces: dict[tuple[int, str], PackedWeight | torch.Tensor] = {}
         self.has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
@@ -89,7 +93,7 @@ class ExpertsBuilder:
         where = key or f"{self.name}[{e}].{kind}"
         self._check_piece(e, kind, w.shape, where)
         w = w.to(self.dtype)
-        q = self.fmt.quantize(w, name=where)
+        q = (self.fmt2 if kind == "down" else self.fmt).quantize(w, name=where)
         if q is None:
             check_finite(w, where)
         self.pieces[(e, kind)] = w.clone() if q is None else q
@@ -142,14 +146,18 @@ class ExpertsBuilder:
             self.pieces.clear()
             self.built = True
             return self.module
-        kinds = {type(p) for p in self.pieces.values()}
-        if len(kinds) != 1:
-            raise MoeqError(f"{self.name}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
-                             "every expert weight of one module must share a format")
-        cls = kinds.pop()
+        slots = {"w13": [p for (_, k), p in self.pieces.items() if k != "down"],
+                 "w2": [p for (_, k), p in self.pieces.items() if k == "down"]}
+        cls = {}
+        for slot, pieces in slots.items():
+            kinds = {type(p) for p in pieces}
+            if len(kinds) != 1:
+                raise MoeqError(f"{self.name}.{slot}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
+                                "every expert's weight of one slot must share a format")
+            cls[slot] = kinds.pop()
         try:
-            w13 = cls.join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
-            w2 = cls.join([[self.pieces[(e, "down")]] for e in e_range])
+            w13 = cls["w13"].join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
+            w2 = cls["w2"].join([[self.pieces[(e, "down")]] for e in e_range])
         except ValueError as err:
             raise MoeqError(f"{self.name}: {err}") from None
         self.pieces.clear()
@@ -209,3 +217,25 @@ def install_experts(root: nn.Module, name: str, new: nn.Module, arch: Arch) -> N
             set_module(root, block_name, ADAPTERS[arch.moe_adapter](block, new))
             return
     set_module(root, name, new)
+
+
+def plan(model: nn.Module, arch: Arch, qcfg: QuantConfig) -> tuple[dict, dict]:
+    """What to quantize how in ``model``: ``({experts module: (w13 format, w2 format)}, {linear: format})`` (kept
+    linears omitted). Rules match module, checkpoint and ``inspect`` names (see :class:`~moeq.config.Policy`); a
+    strict config's rule that matches nothing raises, listing close names."""
+    policy = Policy(qcfg, never=arch.keep)
+    experts, linears = {}, {}
+    for name, mod in model.named_modules():
+        disk = arch.to_disk(name)
+        if is_experts(mod):
+            per_expert = {kind: arch.disk_expert_key(name, 0, kind) for kind in KINDS}
+            experts[name] = tuple(
+                policy.format_for(name, disk, f"{name}.{slot}", f"{disk}.{slot}",
+                                  *(x for k in kinds for x in (per_expert[k], per_expert[k] + ".weight")))
+                for slot, kinds in (("w13", ("gate", "up")), ("w2", ("down",))))
+        elif isinstance(mod, nn.Linear):
+            fmt = policy.format_for(name, disk, f"{name}.weight", f"{disk}.weight")
+            if fmt.name != "none":
+                linears[name] = fmt
+    policy.check_rules()
+    return experts, linears

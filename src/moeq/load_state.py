@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from moeq.arch import FUSED_KEY_RE, Arch, get_arch
 from moeq.config import QuantConfig
-from moeq.convert import ExpertsBuilder, activation_for, existing_bias, install_experts, is_experts, quantize_linear
+from moeq.convert import ExpertsBuilder, activation_for, existing_bias, install_experts, plan, quantize_linear
 from moeq.convert import set_module
 from moeq.errors import CheckpointNotFound, MoeqError
 from moeq.formats import PackedWeight
@@ -213,15 +213,12 @@ class LoadState:
         self.path, self.ckpt, self.config, self.qcfg, self.dtype = path, ckpt, config, qcfg, dtype
         self.arch: Arch = get_arch(config)
         self.model = skeleton(config, dtype)
-        self.builders: dict[str, ExpertsBuilder] = {}
-        self.linears: dict[str, object] = {}
-        for name, mod in self.model.named_modules():
-            fmt = qcfg.for_module(name, never=self.arch.keep)
-            if is_experts(mod):
-                self.builders[name] = ExpertsBuilder(name, mod, self.arch, fmt,
-                                                     activation_for(self.arch, mod, config), dtype)
-            elif isinstance(mod, nn.Linear) and fmt.name != "none" and quantize_linears:
-                self.linears[name] = fmt
+        experts, linears = plan(self.model, self.arch, qcfg)
+        self.builders: dict[str, ExpertsBuilder] = {
+            name: ExpertsBuilder(name, self.model.get_submodule(name), self.arch, f13,
+                                 activation_for(self.arch, self.model.get_submodule(name), config), dtype, f2)
+            for name, (f13, f2) in experts.items()}
+        self.linears: dict[str, object] = linears if quantize_linears else {}
         self.pending_bias: dict[str, torch.Tensor] = {}
         self.unused: list[str] = []
 
@@ -297,11 +294,25 @@ class LoadState:
         log.info("%s: quantized in the checkpoint, dequantized into %s (its module is not a Linear)", head, self.dtype)
         set_tensor(self.model, name, q.dequantize(self.dtype), head)
 
+    def _quantize_tied_head(self) -> None:
+        """A rule quantizing a head tied to the embeddings (the checkpoint holds no lm_head weight): the head gets its
+        own quantized copy of the embedding matrix, the embeddings stay in the compute dtype."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        name = next((n for n, m in self.model.named_modules() if m is head), None)
+        if name not in self.linears or not isinstance(head, nn.Linear) or head.weight.device.type != "meta":
+            return
+        emb = self.model.get_input_embeddings().weight
+        if emb.device.type == "meta" or tuple(emb.shape) != tuple(head.weight.shape):
+            return
+        log.info("%s is tied to the embeddings: quantizing its own copy (%s)", name, self.linears[name].label())
+        set_module(self.model, name, quantize_linear(name, emb.detach(), head.bias, self.linears.pop(name)))
+
     def finish(self) -> nn.Module:
         """Biases that arrived before their weight, complete experts, the saved-format quantization_config, the
         generation config, then :func:`finish_model`."""
         for name, b in self.pending_bias.items():
             self.model.get_submodule(name).bias = nn.Parameter(b, requires_grad=False)
+        self._quantize_tied_head()
         incomplete = [m for b in self.builders.values() if not b.built for m in b.missing()]
         if incomplete:
             raise MoeqError(f"checkpoint {self.path} lacks expert weights: {'; '.join(incomplete[:10])}"
