@@ -125,27 +125,94 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    import torch
-    from transformers import TextStreamer
+def _prompts(args) -> list[str]:
+    """The prompts of a generate run: -p TEXT, -p - (stdin), or --prompt-file F (one prompt per line; - is stdin)."""
+    if args.prompt_file is not None:
+        try:
+            text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise MoeqError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        prompts = [line for line in text.splitlines() if line.strip()]
+    else:
+        prompts = [sys.stdin.read() if args.prompt == "-" else args.prompt]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise MoeqError("no prompt: give -p TEXT, -p - (stdin) or --prompt-file FILE with non-empty lines")
+    return prompts
 
+
+def _sampling(args):
+    from moeq.generation import Sampling
+
+    return Sampling(args.sample, args.temperature, args.top_p, args.top_k)
+
+
+def _load_for_generation(args):
     import moeq
 
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
                       progress=False, device=args.device)
-    tok = _tokenizer(args.model)
-    ids = tok(args.prompt, return_tensors="pt").input_ids.to(args.device)
-    torch.manual_seed(args.seed)
-    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.eos_token_id)
-    if args.sample:
-        kw.update(temperature=args.temperature, top_p=args.top_p)
-    streamer = TextStreamer(tok, skip_prompt=False)
-    t0 = time.perf_counter()
-    out = model.generate(ids, streamer=streamer, **kw)
-    dt = time.perf_counter() - t0
-    n = out.shape[1] - ids.shape[1]
-    print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
+    return model, _tokenizer(args.model)
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from moeq.generation import encode, stop_ids
+
+    prompts = _prompts(args)
+    model, tok = _load_for_generation(args)
+    kw = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or (stop_ids(tok, model) or [0])[0],
+              **_sampling(args).kwargs())
+    for i, prompt in enumerate(prompts):
+        torch.manual_seed(args.seed)
+        ids = encode(tok, prompt, chat=not args.no_chat).to(args.device)
+        if len(prompts) > 1:
+            print(f"=== prompt {i + 1}/{len(prompts)}", file=sys.stderr)
+        if args.no_chat:  # a completion continues the prompt: show it
+            print(prompt, end="", flush=True)
+        streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+        t0 = time.perf_counter()
+        out = model.generate(ids, streamer=streamer, **kw)
+        dt = time.perf_counter() - t0
+        n = out.shape[1] - ids.shape[1]
+        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def cmd_chat(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from moeq.generation import encode, has_chat_template, stop_ids
+
+    model, tok = _load_for_generation(args)
+    if not has_chat_template(tok):
+        raise MoeqError(f"{args.model}: the tokenizer has no chat template; use 'moeq generate' for plain text")
+    kw = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or (stop_ids(tok, model) or [0])[0],
+              **_sampling(args).kwargs())
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    torch.manual_seed(args.seed)
+    print("moeq chat: /reset clears the conversation, /exit or Ctrl-D leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = encode(tok, history).to(args.device)
+        out = model.generate(ids, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **kw)
+        history.append({"role": "assistant",
+                        "content": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()})
 
 
 def cmd_inspect(args) -> int:
@@ -263,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--method", default=default, choices=sorted(METHODS))
         sp.add_argument("--group-size", type=_group_size, default=None,
                         help="RTN group / bnb block size of --method (default: the method's; a tensor it does not "
-                        "divide falls back to the largest multiple of 16 that does, or one group per row)")
+                        "divide falls back to the largest halving that does, or one group per row)")
         sp.add_argument("--rule", action="append", metavar="PATTERN=METHOD[:GROUP]",
                         help="per-module override (repeatable, first match wins): a glob on module, checkpoint or "
                         "inspect names, e.g. 'lm_head=rtn-int8', '*.block_sparse_moe.*=nf4', '*.experts.w2=rtn-int8', "
@@ -281,16 +348,39 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_quantize)
 
-    g = sub.add_parser("generate", help="generate text (streams tokens)")
+    def sampling_args(sp, max_new: int):
+        sp.add_argument("--max-new-tokens", type=_int_at_least(1, 1 << 20), default=max_new,
+                        help="tokens to generate (default: %(default)s)")
+        method_args(sp, None)
+        sp.add_argument("--sample", action="store_true", help="sample (default: greedy); implied by the options below")
+        sp.add_argument("--temperature", type=_float_in(0.0, 100.0, lo_open=True), default=None,
+                        help="sampling temperature (implies --sample; default 0.8 when sampling)")
+        sp.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                        help="nucleus sampling (implies --sample; default 0.95 when sampling)")
+        sp.add_argument("--top-k", type=_int_at_least(1), default=None, help="top-k sampling (implies --sample)")
+        sp.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+
+    g = sub.add_parser("generate", help="generate text, streamed token by token",
+                       epilog="examples:\n  moeq generate qwen-moeq -p 'Why is the sky blue?'\n"
+                       "  moeq generate qwen-moeq --prompt-file prompts.txt --temperature 0.7\n"
+                       "  echo 'Once upon a time' | moeq generate qwen-moeq -p - --no-chat",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("model")
-    g.add_argument("-p", "--prompt", required=True, type=_nonempty)
-    g.add_argument("--max-new-tokens", type=_int_at_least(1, 1 << 20), default=32)
-    method_args(g, None)
-    g.add_argument("--sample", action="store_true")
-    g.add_argument("--temperature", type=_float_in(0.0, 100.0, lo_open=True), default=0.8)
-    g.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=0.95)
-    g.add_argument("--seed", type=int, default=0)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", type=_nonempty, help="the prompt ('-' reads it from stdin)")
+    src.add_argument("--prompt-file", help="one prompt per line ('-': stdin)")
+    g.add_argument("--no-chat", action="store_true",
+                   help="raw text completion (default: the tokenizer's chat template when it has one)")
+    sampling_args(g, 32)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat (streamed; the tokenizer's chat template)",
+                       epilog="example:\n  moeq chat qwen-moeq --system 'You are terse.'",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("model")
+    c.add_argument("--system", default=None, help="a system prompt")
+    sampling_args(c, 256)
+    c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("inspect", help="what is quantized how")
     i.add_argument("model")

@@ -1,0 +1,54 @@
+"""Prompting a loaded model the way chat tools do: the tokenizer's chat template when it has one, sampling settings
+that imply sampling, and streamed output without special tokens. The CLI's ``generate`` and ``chat`` are thin layers
+over these."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moeq.errors import MoeqError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Greedy unless asked otherwise: any of ``temperature``/``top_p``/``top_k`` turns sampling on (as it does in
+    llama.cpp and vLLM), with the others at their usual defaults."""
+    sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def kwargs(self) -> dict:
+        if not (self.sample or self.temperature is not None or self.top_p is not None or self.top_k is not None):
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": 0.8 if self.temperature is None else self.temperature,
+                "top_p": 0.95 if self.top_p is None else self.top_p, "top_k": self.top_k or 0}
+
+
+def has_chat_template(tok) -> bool:
+    return bool(getattr(tok, "chat_template", None))
+
+
+def encode(tok, messages: list[dict] | str, chat: bool = True) -> torch.Tensor:
+    """Token ids ``[1, T]`` for a prompt: with ``chat`` and a tokenizer chat template, the messages (a string is one
+    user turn) rendered by the template with the generation prompt; otherwise the raw text."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if chat and has_chat_template(tok):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return torch.as_tensor(ids).reshape(1, -1)
+    text = "\n".join(m["content"] for m in messages)
+    ids = tok(text, return_tensors="pt").input_ids
+    if ids.numel() == 0:
+        raise MoeqError("the prompt encodes to no tokens")
+    return ids
+
+
+def stop_ids(tok, model) -> list[int]:
+    """Token ids that end a reply: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    for v in (tok.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
+    return sorted(ids)
