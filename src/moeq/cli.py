@@ -159,7 +159,7 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from moeq.generation import encode, stop_ids
+    from moeq.generation import encode, has_chat_template, stop_ids
 
     prompts = _prompts(args)
     model, tok = _load_for_generation(args)
@@ -170,7 +170,7 @@ def cmd_generate(args) -> int:
         ids = encode(tok, prompt, chat=not args.no_chat).to(args.device)
         if len(prompts) > 1:
             print(f"=== prompt {i + 1}/{len(prompts)}", file=sys.stderr)
-        if args.no_chat:  # a completion continues the prompt: show it
+        if args.no_chat or not has_chat_template(tok):  # a raw completion continues the prompt: show it
             print(prompt, end="", flush=True)
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
         t0 = time.perf_counter()
