@@ -434,10 +434,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resolve_models(args) -> None:
+    """Hub ids become their local cache snapshot (tokenizer and side files come from there too)."""
+    from moeq.io.hub import resolve
+
+    for attr in ("model", "src", "ref"):
+        if isinstance(getattr(args, attr, None), str):
+            setattr(args, attr, str(resolve(getattr(args, attr))))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        _resolve_models(args)
         return args.func(args)
     except (MoeqError, OSError) as e:  # bad input, missing/unwritable files, disk full: one line, nothing left
         msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror}"

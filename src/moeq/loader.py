@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from moeq import prequant
 from moeq.config import QuantConfig
 from moeq.errors import MoeqError
+from moeq.io import hub
 from moeq.io.safetensors_io import Checkpoint
 from moeq.load_state import LoadState, compute_dtype, read_config
 from moeq.saved import QUANT_METHOD, restore
@@ -21,15 +22,15 @@ from moeq.saved import QUANT_METHOD, restore
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
          progress: bool = True, device: str | torch.device | None = None) -> nn.Module:
-    """Load a checkpoint directory: a moeq checkpoint as saved, or a bf16/fp16 one quantized in flight with
-    ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
+    """Load a checkpoint directory (or a Hub id already in the local Hugging Face cache): a moeq checkpoint as
+    saved, or a bf16/fp16 one quantized in flight with ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
 
     ``device`` (default CPU): where the model runs. On a GPU, source tensors stream from disk to the GPU one at a
     time and are quantized there; saved and pre-quantized checkpoints are moved once loaded."""
     from moeq.kernels.gpu import check_device  # noqa: PLC0415
 
     dev = check_device(device)
-    model = _load(Path(path), quant, dtype, progress, dev)
+    model = _load(hub.resolve(path), quant, dtype, progress, dev)
     return model if dev.type == "cpu" else model.to(dev)
 
 
