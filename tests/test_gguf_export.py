@@ -126,11 +126,14 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
 
 
 @pytest.mark.parametrize("method,requant", [("rtn-int4", "Q4_0"), ("nf4", "Q4_0"), ("int8", "Q8_0")])
-def test_gguf_requantizes_what_it_cannot_hold_and_says_so(method, requant, tiny_ckpt, tmp_path):
+def test_gguf_refuses_double_rounding_unless_asked(method, requant, tiny_ckpt, tmp_path):
     src = tiny_ckpt("qwen3_moe", **OVERRIDES["qwen3_moe"])
     m = moeq.load(src, quant=method, progress=False, dtype=torch.float32)
     out = tmp_path / "g"
-    summary = export(m, out, "gguf", source=src)
+    with pytest.raises(moeq.MoeqError, match=r"round moeq's already-rounded values a second time.*--method q4_0"):
+        export(m, out, "gguf", source=src)  # refused by default, naming the lossless command
+    assert not out.exists()
+    summary = export(m, out, "gguf", source=src, requantize=True)
     n_quantized = 2 * (3 + 4)  # per layer: 3 expert stacks + q/k/v/o
     assert len(summary["requantized"]) == n_quantized
     assert all(f"-> {requant}" in r for r in summary["requantized"])

@@ -237,25 +237,27 @@ def cmd_export(args) -> int:
     from moeq.export import export
     from moeq.io.writer import check_target
 
-    check_target(Path(args.out), args.overwrite, [args.model])
-    model = moeq.load(args.model, progress=not args.json)
+    if not (args.format == "gguf" and args.out.endswith(".gguf")):
+        check_target(Path(args.out), args.overwrite, [args.model])
+    model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
+                      progress=not args.json)
     summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model,
-                     progress=not args.json)
+                     progress=not args.json, requantize=args.requantize)
     if args.json:
         print(json.dumps(summary))
-    else:
-        kept = ", ".join(summary.get("kept_unquantized", [])[:6]) or "nothing"
-        requant = summary.get("requantized", [])
-        what = (f"re-quantized {len(requant)} tensors (" + "; ".join(requant[:3]) + (", ..." if len(requant) > 3
-                else "") + ")") if requant else "no value re-quantized"
-        print(f"wrote {summary['out']} ({args.format}): {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB; "
-              f"{what}; kept unquantized: {kept}")
+        return 0
+    print(f"wrote {summary['out']} ({args.format}): {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB")
+    requant = summary.get("requantized", [])
+    print(f"re-quantized ({len(requant)}):" + "".join(f"\n  {r}" for r in requant) if requant else
+          "no value re-quantized (lossless)")
+    kept = summary.get("kept_unquantized", [])
+    print(f"kept unquantized ({len(kept)}): " + (", ".join(kept) if kept else "nothing"))
     return 0
 
 
 def cmd_eval(args) -> int:
     import moeq
-    from moeq.eval import check_compatible, evaluate, tokenize
+    from moeq.eval import check_compatible, evaluate_many, tokenize
 
     texts = []
     for f in args.text:
@@ -263,22 +265,34 @@ def cmd_eval(args) -> int:
             texts.append(Path(f).read_text(encoding="utf-8", errors="replace"))
         except OSError as e:
             raise MoeqError(f"--text {f}: {e.strerror}") from None
-    tok, ref_tok = _tokenizer(args.model), _tokenizer(args.ref)
+    ref_tok = _tokenizer(args.ref)
     quant = _quant_config(args) if args.method else None
-    model = moeq.load(args.model, quant=quant, dtype=_dtype(args.dtype), progress=not args.json)
     ref = moeq.load(args.ref, dtype=_dtype(args.dtype), progress=not args.json)
-    check_compatible(model, ref, tok, ref_tok)
-    res = evaluate(model, ref, tokenize(tok, texts), ctx=args.ctx, max_tokens=args.max_tokens,
-                   progress=not args.json)
-    info = moeq.inspect(model)
-    out = res.to_dict() | {"bits_per_weight": info["bits_per_weight"],
-                           "quantized_bits_per_weight": info["quantized_bits_per_weight"]}
+    models = {}
+    for path in args.model:
+        tok = _tokenizer(path)
+        models[path] = moeq.load(path, quant=quant, dtype=_dtype(args.dtype), progress=not args.json)
+        check_compatible(models[path], ref, tok, ref_tok)
+    results = evaluate_many(models, ref, tokenize(ref_tok, texts), ctx=args.ctx, max_tokens=args.max_tokens,
+                            progress=not args.json)
+    rows = []
+    for path, res in results.items():
+        info = moeq.inspect(models[path])
+        rows.append({"model": path, "method": args.method, "reference": args.ref, "texts": list(args.text),
+                     "ctx": args.ctx, **res.to_dict(), "bits_per_weight": info["bits_per_weight"],
+                     "quantized_bits_per_weight": info["quantized_bits_per_weight"]})
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(rows if len(rows) > 1 else rows[0]))
     else:
-        print(f"PPL {res.ppl:.3f} (reference {res.ref_ppl:.3f}); KL(ref||model) mean {res.mean_kl:.4g} nats, "
-              f"p99 {res.p99_kl:.4g}; top-1 agreement {res.top1:.2%}; {res.tokens} tokens in {res.windows} windows; "
-              f"{out['quantized_bits_per_weight']:.3f} bits/weight in quantized modules")
+        print(f"reference {args.ref}: PPL {rows[0]['ref_ppl']:.3f}; {rows[0]['tokens']} tokens in "
+              f"{rows[0]['windows']} windows of {args.ctx}\n")
+        print(_table(rows, [("model", "model", ""), ("ppl", "PPL", ".3f"), ("mean_kl", "mean KL", ".4g"),
+                            ("p99_kl", "p99 KL", ".4g"), ("top1", "top-1", ".2%"),
+                            ("quantized_bits_per_weight", "bits/w (quantized)", ".3f")]))
+    if args.json_out:
+        from moeq.io.writer import write_json  # noqa: PLC0415
+
+        write_json(args.json_out, rows)
     return 0
 
 
@@ -394,12 +408,19 @@ def build_parser() -> argparse.ArgumentParser:
                        f"dense part; takes {bnb.SUPPORTS}); compressed-tensors = pack-quantized (vLLM Marlin/Triton "
                        f"MoE, transformers; takes {compressed_tensors.SUPPORTS}); gguf = one model.gguf for llama.cpp "
                        f"(takes {gguf.SUPPORTS}). bnb and compressed-tensors exports are lossless; gguf is lossless "
-                       "for symmetric RTN with group 32 (--method q4_0 / q8_0) and lists what it re-quantized.")
-    e.add_argument("model")
-    e.add_argument("out")
+                       "for symmetric RTN with group 32 (--method q4_0 / q8_0) and refuses to round other formats "
+                       "a second time unless --requantize.",
+                       epilog="examples:\n  moeq export qwen-moeq out-ct --format compressed-tensors\n"
+                       "  moeq export Qwen3-30B-A3B qwen.gguf --format gguf --method q4_0   # bf16 -> GGUF, lossless",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("model", help="a moeq checkpoint, or a bf16 source with --method (quantized in flight)")
+    e.add_argument("out", help="output folder; for gguf also a file name ending in .gguf")
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
-    e.add_argument("--overwrite", action="store_true")
-    e.add_argument("--json", action="store_true")
+    method_args(e, None)
+    e.add_argument("--requantize", action="store_true",
+                   help="gguf: round tensors with no exact GGUF type again (refused by default)")
+    e.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT")
+    e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(func=cmd_export)
 
     ev = sub.add_parser("eval", help="perplexity, KL(ref||model) and top-1 agreement on real text")

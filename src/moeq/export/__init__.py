@@ -14,12 +14,14 @@ line in :data:`EXPORTERS` and a test that loads the result with the engine's own
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from torch import nn
 
 from moeq.arch import get_arch
 from moeq.export import bnb, compressed_tensors, gguf
-from moeq.io.writer import atomic_dir, copy_side_files, model_sources
+from moeq.export.common import quantized_modules
+from moeq.io.writer import atomic_dir, atomic_file, copy_side_files, model_sources
 from moeq.errors import MoeqError
 
 EXPORTERS = {"bnb": bnb, "compressed-tensors": compressed_tensors, "gguf": gguf}
@@ -27,18 +29,30 @@ HF_LAYOUT = {"bnb", "compressed-tensors"}  # formats that are a transformers che
 
 
 def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: bool = False,
-           source: str | os.PathLike | None = None, progress: bool = False) -> dict:
+           source: str | os.PathLike | None = None, progress: bool = False, requantize: bool = False) -> dict:
     """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary. ``source``: the checkpoint the
-    model came from (tokenizer and side files are taken from it)."""
+    model came from (tokenizer and side files are taken from it). ``gguf`` writes one file: ``out`` itself when it
+    ends in ``.gguf``, else ``out/model.gguf``; ``requantize`` lets it round values with no exact GGUF type again."""
     if format not in EXPORTERS:
         raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
     arch = get_arch(model.config)
-    with atomic_dir(out, overwrite, model_sources(model, source)) as tmp:
+    if format in HF_LAYOUT and not any(True for _ in quantized_modules(model)):
+        raise MoeqError(f"the model has no quantized module: a {format} export of it would be a plain checkpoint "
+                        "with an empty quantization config; quantize it first (e.g. moeq export SRC OUT --format "
+                        f"{format} --method {'nf4' if format == 'bnb' else 'rtn-int4'})")
+    sources = model_sources(model, source)
+    if format == "gguf" and str(out).endswith(".gguf"):
+        with atomic_file(out, overwrite, sources, ours=gguf.is_moeq_gguf) as tmp:
+            summary = gguf.export(model, tmp.parent, arch, source=source, progress=progress, requantize=requantize,
+                                  file=tmp.name)
+        return {"format": format, "out": str(out), **summary, "file": Path(out).name}
+    with atomic_dir(out, overwrite, sources) as tmp:
         if format in HF_LAYOUT:
             summary = EXPORTERS[format].export(model, tmp, arch)
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
             copy_side_files(source, tmp)
         else:
-            summary = EXPORTERS[format].export(model, tmp, arch, source=source, progress=progress)
+            summary = EXPORTERS[format].export(model, tmp, arch, source=source, progress=progress,
+                                               requantize=requantize)
     return {"format": format, "out": str(out), **summary}

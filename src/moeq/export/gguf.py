@@ -28,11 +28,29 @@ from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
 from moeq.io.writer import unique_tensors
 from moeq.nn import QuantExperts, QuantLinear
 from moeq.errors import MoeqError
+from moeq.version import __version__
 
 log = logging.getLogger(__name__)
 SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe and olmoe models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
             "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
 FILE = "model.gguf"
+MOEQ_KEY = "moeq.version"
+
+
+def is_moeq_gguf(path: Path) -> bool:
+    """A GGUF file that moeq wrote (its ``moeq.version`` key): what ``--overwrite`` may replace."""
+    try:
+        return MOEQ_KEY in _gguf().GGUFReader(str(path)).fields
+    except Exception:  # noqa: BLE001 - not a readable GGUF file: not ours
+        return False
+
+
+def model_name(model: nn.Module) -> str:
+    """A model's name for ``general.name``: its checkpoint folder's name (a Hub cache snapshot: the repo's name)."""
+    p = Path(getattr(model.config, "_name_or_path", "") or "")
+    if p.parent.name == "snapshots" and "--" in p.parent.parent.name:
+        return p.parent.parent.name.split("--")[-1]
+    return p.name or model.config.model_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +276,8 @@ def _check(model: nn.Module) -> Family:
 def _hparams(w, model: nn.Module, p: _Planner) -> None:
     cfg, gguf = model.config, p.gguf
     rope = getattr(cfg, "rope_parameters", None) or {}
-    w.add_name(getattr(cfg, "_name_or_path", "") or cfg.model_type)
+    w.add_name(model_name(model))
+    w.add_string(MOEQ_KEY, __version__)  # marks the file as moeq's (what --overwrite may replace)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -358,12 +377,23 @@ def _source_dir(model: nn.Module, source) -> Path:
                      f"tokenizer.json (tried {source!r} and the model's own path)")
 
 
-def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool = False) -> dict:
+def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool = False,
+           requantize: bool = False, file: str = FILE) -> dict:
+    """Write ``out/file``. Tensors llama.cpp cannot hold exactly (anything but symmetric 4/8-bit RTN at group 32)
+    would be rounded a second time: refused unless ``requantize`` (the error names the command that exports
+    losslessly instead)."""
     fam = _check(model)
     src = _source_dir(model, source)
     p = plan(model, fam)
+    lossy = [t.name for t in p.plan if t.note.startswith("requantized")]
+    if lossy and not requantize:
+        raise MoeqError(
+            f"{len(lossy)} tensor(s) ({', '.join(lossy[:3])}{', ...' if len(lossy) > 3 else ''}) have no exact GGUF "
+            "type: exporting them would round moeq's already-rounded values a second time (measured to make NF4 "
+            "models unusable in llama.cpp). Export losslessly from the bf16 source instead: moeq export SOURCE "
+            "OUT.gguf --format gguf --method q4_0 (or q8_0); or pass --requantize to accept the double rounding")
     gguf = _gguf()
-    w = gguf.GGUFWriter(out / FILE, fam.arch)
+    w = gguf.GGUFWriter(out / file, fam.arch)
     _hparams(w, model, p)
     tokenizer_model = _tokenizer(w, src, model.config.vocab_size, fam)
     for t in p.plan:
@@ -385,7 +415,7 @@ def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool 
     types: dict[str, int] = {}
     for t in p.plan:
         types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
-    return {"file": FILE, "arch": fam.arch, "tokenizer": tokenizer_model,
+    return {"file": file, "arch": fam.arch, "tokenizer": tokenizer_model,
             "tensors": len(p.plan), "bytes": sum(t.nbytes for t in p.plan), "types": types,
             "requantized": requant, "kept_unquantized": [t.name for t in p.plan if t.note == "kept" and
                                                           len(t.shape) >= 2]}

@@ -191,6 +191,36 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, sources=()) -> I
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def atomic_file(out: str | os.PathLike, overwrite: bool = False, sources=(), ours=None) -> Iterator[Path]:
+    """Write one output file atomically: yields a temporary path beside it, renamed over ``out`` when complete.
+    ``overwrite`` replaces only a file ``ours(path)`` recognises as moeq's own output (never a link, a folder or
+    somebody else's file)."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise MoeqError(f"{out} exists; pass --overwrite to replace a previous moeq output there")
+        if out.is_symlink() or not out.is_file():
+            raise MoeqError(f"{out} is a link or not a file; moeq replaces only files it wrote: give another path")
+        if ours is None or not ours(out):
+            raise MoeqError(f"{out}: --overwrite replaces only a file moeq wrote, and this one is not; remove it "
+                            "yourself or choose another path")
+        for src in sources:
+            if src is not None and Path(src).resolve() == out.resolve():
+                raise MoeqError(f"{out} is the source of the model; moeq will not replace it")
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(parent, out.name)
+    tmp = parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp / out.name
+        (tmp / out.name).chmod(0o666 & ~umask())
+        os.replace(tmp / out.name, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def unique_tensors(items):
     """``(name, tensor)`` pairs with tied tensors (same storage, offset and shape) kept once, first name wins."""
     seen: set[tuple] = set()
