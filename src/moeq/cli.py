@@ -304,11 +304,12 @@ def cmd_bench(args) -> int:
         Path(args.cache) / f"qwen3-30b-a3b-shape-{args.layers}L-v{shape['vocab']}", args.layers, shape)
     res = bench.run(ckpt, args.systems, batches=tuple(args.batches), prefills=tuple(args.prefill),
                     new_tokens=args.new_tokens, group_size=args.group_size)
-    if args.out:
-        from moeq.io.writer import write_json  # noqa: PLC0415
+    out = Path(args.out) if args.out else Path(args.cache) / f"cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    from moeq.io.writer import write_json  # noqa: PLC0415
 
-        write_json(args.out, res)
+    write_json(out, res)
     print(bench.table(res))
+    print(f"\nresults: {out}", file=sys.stderr)
     return 0
 
 
@@ -327,21 +328,53 @@ def cmd_demo(args) -> int:
                          ("max_abs_err", "max|err|", ".2e"), ("quantize_gbps", "quant GB/s", ".2f"),
                          ("dequantize_gbps", "dequant GB/s", ".2f")]))
     if args.json:
+        print(json.dumps({"model": rows, "formats": frows}))
+    if args.json_out:
         from moeq.io.writer import write_json  # noqa: PLC0415
 
-        write_json(args.json, {"model": rows, "formats": frows})
+        write_json(args.json_out, {"model": rows, "formats": frows})
     return 0
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows every option's default (where it has one) and keeps the examples' line breaks."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if ("%(default)" not in h and "default" not in h and action.option_strings
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            h += " (default: %(default)s)"
+        return h
 
 
 def build_parser() -> argparse.ArgumentParser:
     from moeq.config import METHODS
 
-    p = argparse.ArgumentParser(prog="moeq", description="Calibration-free quantization for MoE language models")
-    p.add_argument("-v", "--verbose", action="store_true")
+    from moeq.version import __version__
+
+    p = argparse.ArgumentParser(prog="moeq", description="Calibration-free quantization for MoE language models",
+                                epilog="examples:\n  moeq quantize Qwen/Qwen3-30B-A3B qwen-rtn4 --method rtn-int4\n"
+                                "  moeq generate qwen-rtn4 -p 'Why is the sky blue?'\n  moeq chat qwen-rtn4\n"
+                                "  moeq export qwen-rtn4 out --format compressed-tensors\n"
+                                "run 'moeq COMMAND -h' for each command's options and defaults",
+                                formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"moeq {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what moeq does (also after the command)")
     sub = p.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    add_parser = sub.add_parser
+
+    def sub_parser(*a, **k):  # every command takes -v too, and shows its defaults in --help
+        k.setdefault("formatter_class", _Formatter)
+        return add_parser(*a, parents=[common], **k)
+
+    sub.add_parser = sub_parser
 
     def method_args(sp, default):
-        sp.add_argument("--method", default=default, choices=sorted(METHODS))
+        sp.add_argument("--method", default=default, choices=sorted(METHODS), metavar="METHOD",
+                        help=f"quantization method: {', '.join(sorted(METHODS))}"
+                        + ("" if default else " (default: load as stored)"))
         sp.add_argument("--group-size", type=_group_size, default=None,
                         help="RTN group / bnb block size of --method (default: the method's; a tensor it does not "
                         "divide falls back to the largest halving that does, or one group per row)")
@@ -354,12 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda[:N]: on a GPU, tensors stream to it and are quantized there")
 
-    q = sub.add_parser("quantize", help="quantize a checkpoint in flight and save it")
-    q.add_argument("src")
-    q.add_argument("out")
+    q = sub.add_parser("quantize", help="quantize a checkpoint in flight and save it",
+                       epilog="examples:\n  moeq quantize Qwen3-30B-A3B qwen-rtn4\n"
+                       "  moeq quantize mistralai/Mixtral-8x7B-v0.1 mixtral-nf4 --method nf4 --rule 'lm_head=rtn-int8'\n"
+                       "  moeq quantize SRC OUT --method rtn-int4 --rule '*.self_attn.*=rtn-int8' --overwrite")
+    q.add_argument("src", help="a bf16/fp16 checkpoint folder, a Hub id in the local cache, or a bitsandbytes one")
+    q.add_argument("out", help="output folder (written atomically)")
     method_args(q, "rtn-int4")
-    q.add_argument("--overwrite", action="store_true")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT (nothing else)")
+    q.add_argument("--json", action="store_true", help="print the summary as JSON")
     q.set_defaults(func=cmd_quantize)
 
     def sampling_args(sp, max_new: int):
@@ -378,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  moeq generate qwen-moeq -p 'Why is the sky blue?'\n"
                        "  moeq generate qwen-moeq --prompt-file prompts.txt --temperature 0.7\n"
                        "  echo 'Once upon a time' | moeq generate qwen-moeq -p - --no-chat",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Formatter)
     g.add_argument("model")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", type=_nonempty, help="the prompt ('-' reads it from stdin)")
@@ -390,15 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive chat (streamed; the tokenizer's chat template)",
                        epilog="example:\n  moeq chat qwen-moeq --system 'You are terse.'",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Formatter)
     c.add_argument("model")
     c.add_argument("--system", default=None, help="a system prompt")
     sampling_args(c, 256)
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser("inspect", help="what is quantized how")
-    i.add_argument("model")
-    i.add_argument("--json", action="store_true")
+    i = sub.add_parser("inspect", help="what is quantized how", epilog="example:\n  moeq inspect qwen-rtn4 --json")
+    i.add_argument("model", help="a moeq checkpoint (or any checkpoint moeq loads)")
+    i.add_argument("--json", action="store_true", help="print the report as JSON (default: a table)")
     i.set_defaults(func=cmd_inspect)
 
     from moeq.export import EXPORTERS, bnb, compressed_tensors, gguf
@@ -412,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "a second time unless --requantize.",
                        epilog="examples:\n  moeq export qwen-moeq out-ct --format compressed-tensors\n"
                        "  moeq export Qwen3-30B-A3B qwen.gguf --format gguf --method q4_0   # bf16 -> GGUF, lossless",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Formatter)
     e.add_argument("model", help="a moeq checkpoint, or a bf16 source with --method (quantized in flight)")
     e.add_argument("out", help="output folder; for gguf also a file name ending in .gguf")
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
@@ -423,34 +459,40 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(func=cmd_export)
 
-    ev = sub.add_parser("eval", help="perplexity, KL(ref||model) and top-1 agreement on real text")
-    ev.add_argument("model")
+    ev = sub.add_parser("eval", help="perplexity, KL(ref||model) and top-1 agreement on real text",
+                        epilog="examples:\n  moeq eval qwen-rtn4 qwen-nf4 --ref Qwen3-30B-A3B --text book.txt\n"
+                        "  moeq eval Qwen3-30B-A3B --method nf4 --ref Qwen3-30B-A3B --text a.txt --text b.txt --json",
+                        formatter_class=_Formatter)
+    ev.add_argument("model", nargs="+", help="one or more models, each scored against the same reference run")
     ev.add_argument("--ref", required=True, help="reference model (e.g. the bf16 source)")
-    ev.add_argument("--text", nargs="+", required=True)
-    ev.add_argument("--ctx", type=_int_at_least(2, 1 << 20), default=512)
-    ev.add_argument("--max-tokens", type=_int_at_least(3), default=None)
+    ev.add_argument("--text", action="append", required=True, metavar="FILE", help="a text file (repeatable)")
+    ev.add_argument("--ctx", type=_int_at_least(2, 1 << 20), default=512, help="window length in tokens")
+    ev.add_argument("--max-tokens", type=_int_at_least(3), default=None, help="score at most this many tokens")
     method_args(ev, None)
-    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--json", action="store_true", help="print the results as JSON")
+    ev.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
     ev.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="CPU speed side by side: transformers bf16, transformers+bnb, moeq presets")
     b.add_argument("--model", help="checkpoint dir (default: Qwen3-30B-A3B shapes cut to --layers, generated once)")
-    b.add_argument("--layers", type=_int_at_least(1, 1024), default=4)
-    b.add_argument("--vocab", type=_int_at_least(2, 1 << 24), default=None)
-    b.add_argument("--cache", default=str(Path.home() / ".cache" / "moeq-bench"))
+    b.add_argument("--layers", type=_int_at_least(1, 1024), default=4, help="decoder layers of the benchmark model")
+    b.add_argument("--vocab", type=_int_at_least(2, 1 << 24), default=None, help="vocabulary size (default: Qwen3's)")
+    b.add_argument("--cache", default=str(Path.home() / ".cache" / "moeq-bench"), help="where the model and results go")
     b.add_argument("--systems", nargs="+", default=["transformers bf16", "transformers+bnb nf4", "moeq rtn-int4",
-                                                     "moeq rtn-int8", "moeq nf4"])
-    b.add_argument("--batches", type=_int_at_least(1, 4096), nargs="+", default=[1, 4, 16])
-    b.add_argument("--prefill", type=_int_at_least(1, 1 << 20), nargs="+", default=[512, 2048])
-    b.add_argument("--new-tokens", type=_int_at_least(1, 1 << 20), default=128)
+                                                     "moeq rtn-int8", "moeq nf4"], help="systems measured side by side")
+    b.add_argument("--batches", type=_int_at_least(1, 4096), nargs="+", default=[1, 4, 16], help="decode batch sizes")
+    b.add_argument("--prefill", type=_int_at_least(1, 1 << 20), nargs="+", default=[512, 2048], help="prefill lengths")
+    b.add_argument("--new-tokens", type=_int_at_least(1, 1 << 20), default=128, help="decoded tokens per run")
     b.add_argument("--group-size", type=_group_size, default=128, help="RTN group of the moeq presets")
-    b.add_argument("--out", default="benchmarks/results/cpu.json")
+    b.add_argument("--out", default=None, help="results JSON (default: a timestamped file in --cache, printed)")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the built-in default job")
-    d.add_argument("--arch", default="qwen3_moe")
-    d.add_argument("--shape", type=_int_at_least(1, 1 << 16), nargs=3, default=[8, 1536, 2048], metavar=("E", "N", "K"))
-    d.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    d.add_argument("--arch", default="qwen3_moe", help="architecture of the random demo checkpoint")
+    d.add_argument("--shape", type=_int_at_least(1, 1 << 16), nargs=3, default=[8, 1536, 2048], metavar=("E", "N", "K"),
+                   help="synthetic expert stack shape")
+    d.add_argument("--json", action="store_true", help="also print the results as JSON")
+    d.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
     d.set_defaults(func=cmd_demo)
     return p
 
