@@ -56,3 +56,11 @@ def test_demo_json_is_a_flag():
 def test_bench_default_output_is_not_the_cwd():
     args = build_parser().parse_args(["bench"])
     assert args.out is None  # results go to a timestamped file in --cache (printed), never ./benchmarks/results
+
+
+def test_searched_method_warns_with_an_estimate(tiny_ckpt, tmp_path, capsys):
+    assert main(["quantize", str(tiny_ckpt("qwen3_moe")), str(tmp_path / "o"), "--method", "nf4-opt"]) == 0
+    err = capsys.readouterr().err
+    assert "nf4-b32-dq-s20 searches each block in plain torch" in err and "GB/s" in err and "min for" in err
+    assert main(["quantize", str(tiny_ckpt("qwen3_moe")), str(tmp_path / "p"), "--method", "nf4"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -93,6 +93,24 @@ def _dtype(name: str | None):
     return None if name is None else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+def _warn_slow_search(qcfg, nbytes: int) -> None:
+    """The searched presets (nf4-opt, rtn-int4-opt, hqq) still run their searches in plain torch: measure the rate
+    on a sample here and warn with an estimate for this checkpoint before the work starts."""
+    import torch
+
+    slow = [c for c in (qcfg.default, *(c for _, c in qcfg.rules))
+            if getattr(c, "search", 0) or getattr(c, "refine", 0) or getattr(c, "hqq", 0)]
+    if not slow:
+        return
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(torch.bfloat16)
+    t0 = time.perf_counter()
+    slow[0].quantize(w, name="sample")
+    rate = w.numel() * 2 / max(time.perf_counter() - t0, 1e-9)  # bytes of bf16 weights per second
+    print(f"moeq: warning: {slow[0].label()} searches each block in plain torch at ~{rate / 1e9:.3f} GB/s on this "
+          f"machine: about {nbytes / rate / 60:.0f} min for {nbytes / 1e9:.1f} GB of weights (the plain methods take "
+          "seconds per GB)", file=sys.stderr)
+
+
 def cmd_quantize(args) -> int:
     import moeq
 
@@ -103,8 +121,10 @@ def cmd_quantize(args) -> int:
     check_target(out, args.overwrite, [args.src])  # before hours of work, not after
 
     src_bytes = sum(i.nbytes for i in Checkpoint(args.src).tensors.values())
+    qcfg = _quant_config(args)
+    _warn_slow_search(qcfg, src_bytes)
     t0 = time.perf_counter()
-    model = moeq.load(args.src, quant=_quant_config(args), dtype=_dtype(args.dtype), progress=not args.json,
+    model = moeq.load(args.src, quant=qcfg, dtype=_dtype(args.dtype), progress=not args.json,
                       device=args.device)
     moeq.save(model, out, overwrite=args.overwrite, source=args.src)
     secs = time.perf_counter() - t0
