@@ -73,26 +73,25 @@ def skeleton(config, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-# config.json sizes that must be positive integers (when present), and the most any real model uses times ~100
-
-
-# config.json sizes that must be positive integers (when present), and the most any real model uses times ~100
-_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-          "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
-          "num_local_experts", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
-_MAX_SIZE = 1 << 31
+# config.json sizes that must be positive integers (when present), each bounded well above any real model's so a
+# hostile config cannot make the skeleton itself exhaust memory or time (65536 layers, a 2^31 vocabulary, ...)
+_SIZES = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 19,
+          "moe_intermediate_size": 1 << 19, "shared_expert_intermediate_size": 1 << 19, "num_hidden_layers": 1 << 10,
+          "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "head_dim": 1 << 12,
+          "num_experts": 1 << 14, "num_local_experts": 1 << 14, "n_routed_experts": 1 << 14,
+          "num_experts_per_tok": 1 << 14, "max_position_embeddings": 1 << 25}
 
 
 def check_config(config) -> None:
     """Refuse a config.json whose sizes are not positive integers or whose top-k exceeds its experts: clear
     errors instead of tracebacks (or hangs) deep inside the model constructor."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in _SIZES:
+    for name, most in _SIZES.items():
         v = getattr(text, name, None)
         if v is None:
             continue
-        if type(v) is not int or not 0 < v < _MAX_SIZE:
-            raise MoeqError(f"config.json: {name} = {v!r} must be a positive integer below {_MAX_SIZE}")
+        if type(v) is not int or not 0 < v <= most:
+            raise MoeqError(f"config.json: {name} = {v!r} must be a positive integer up to {most}")
     experts = next((getattr(text, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(text, n, None)), None)
     top_k = getattr(text, "num_experts_per_tok", None)

@@ -403,3 +403,10 @@ def test_unmutated_loads_equal(saved, isolated):
         ckpt, ref = saved(method)
         r = isolated.load(ckpt, ref=ref)
         assert r["outcome"] == "ok" and r["equal"] and r["finite"], (method, r)
+
+
+@pytest.mark.parametrize("key,value", [("num_hidden_layers", 65536), ("vocab_size", 1 << 30), ("hidden_size", 1 << 20)])
+def test_config_sizes_cannot_exhaust_memory(tiny_ckpt, isolated, tmp_path, key, value):
+    d = mutate.copy(tiny_ckpt("qwen3_moe"), tmp_path / "c")
+    mutate.edit_config(d, lambda c: c.update({key: value}))
+    assert_refused(isolated.load(d, quant="rtn-int4"), key)

@@ -63,6 +63,11 @@ def cli_job(job: dict) -> dict:
 
 def serve() -> None:
     import logging
+    import resource
+
+    # a hostile file must not be able to eat the machine: past this, allocations fail (MemoryError: a "bug" reply)
+    limit = 8 << 30
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     logging.disable(logging.WARNING)
     print("READY", flush=True)
