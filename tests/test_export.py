@@ -69,7 +69,7 @@ def test_bnb_export_roundtrip_and_consumers(tiny_ckpt, tmp_path):
     src = tiny_ckpt("mixtral")
     m = moeq.load(src, quant="nf4", progress=False)
     out = tmp_path / "bnb"
-    export(m, out, "bnb", source=src)
+    export(m, out, "bnb", source=src, layout="transformers4")
     m2 = moeq.load(out, progress=False)
     s1, s2 = m.state_dict(), m2.state_dict()
     assert set(s1) == set(s2) and all(torch.equal(s1[k], s2[k]) for k in s1)
@@ -91,6 +91,29 @@ def test_bnb_export_roundtrip_and_consumers(tiny_ckpt, tmp_path):
     with torch.no_grad():
         a, b = t(ids).logits.float(), dense(ids).logits.float()
     assert (a - b).abs().max() < 0.03 * b.abs().max()
+
+
+@pytest.mark.parametrize("family,method", [("mixtral", "nf4"), ("qwen3_moe", "fp4"), ("qwen2_moe", "int8")])
+def test_bnb_export_loads_in_transformers5(family, method, tiny_ckpt, tmp_path):
+    """The default bnb layout loads with plain from_pretrained on the pinned transformers 5 + bitsandbytes: quantized
+    Linears become bitsandbytes modules, experts its fused bf16 params holding moeq's dequantized values."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_ckpt(family)
+    m = moeq.load(src, quant=method, progress=False)
+    out = tmp_path / "bnb"
+    summary = export(m, out, "bnb", source=src)
+    assert summary["layout"] == "transformers5" and summary["experts_dequantized"]
+    t = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(t.model.layers[0].self_attn.q_proj).__name__ in ("Linear4bit", "Linear8bitLt")
+    ex = m.model.layers[1].mlp.experts
+    assert torch.equal(t.model.layers[1].mlp.experts.down_proj, ex.w2.dequantize(torch.bfloat16))
+    ids = torch.randint(0, 300, (1, 8))
+    with torch.no_grad():
+        a, b = t(ids).logits.float(), m(ids).logits.float()
+    # same weights, different kernels (bf16 rounding order; a near-tied router can flip): close, not equal
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
 
 
 def test_export_errors_and_cli(tiny_ckpt, tmp_path, capsys):

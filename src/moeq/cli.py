@@ -262,7 +262,7 @@ def cmd_export(args) -> int:
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
                       progress=not args.json)
     summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model,
-                     progress=not args.json, requantize=args.requantize)
+                     progress=not args.json, requantize=args.requantize, layout=args.layout)
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -473,6 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output folder; for gguf also a file name ending in .gguf")
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
     method_args(e, None)
+    e.add_argument("--layout", choices=["transformers5", "transformers4"], default="transformers5",
+                   help="bnb: transformers5 loads with transformers 5 + bitsandbytes (quantized Linears; experts as "
+                   "its fused bf16 params, which its bitsandbytes path never quantizes); transformers4 keeps every "
+                   "expert quantized per expert (vLLM bitsandbytes, transformers 4.x, moeq; not transformers 5)")
     e.add_argument("--requantize", action="store_true",
                    help="gguf: round tensors with no exact GGUF type again (refused by default)")
     e.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT")

@@ -166,10 +166,9 @@ class ExpertsBuilder:
                             weight_on_input=self.arch.moe_adapter == "llama4")
 
 
-def fill_experts_module(module: nn.Module, arch: Arch, gate_up: torch.Tensor, down: torch.Tensor,
-                        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
-    """Set a transformers experts module's params from canonical ``gate_up [E, 2I, H]`` (gate rows then up rows),
-    ``down [E, H, I]`` and biases, converting to the module's own layout (interleaved and/or transposed)."""
+def module_layout(arch: Arch, gate_up: torch.Tensor, down: torch.Tensor, b13: torch.Tensor | None = None):
+    """Canonical ``gate_up [E, 2I, H]`` (gate rows then up rows), ``down [E, H, I]`` and ``b13 [E, 2I]`` in the
+    family's own fused layout (interleaved and/or transposed), as transformers' experts modules hold them."""
     def interleave(x: torch.Tensor, dim: int) -> torch.Tensor:
         i = x.shape[dim] // 2
         a, b = x.narrow(dim, 0, i), x.narrow(dim, i, i)
@@ -180,6 +179,14 @@ def fill_experts_module(module: nn.Module, arch: Arch, gate_up: torch.Tensor, do
         b13 = None if b13 is None else interleave(b13, 1)
     if arch.transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up.contiguous(), down.contiguous(), b13
+
+
+def fill_experts_module(module: nn.Module, arch: Arch, gate_up: torch.Tensor, down: torch.Tensor,
+                        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
+    """Set a transformers experts module's params from canonical ``gate_up [E, 2I, H]`` (gate rows then up rows),
+    ``down [E, H, I]`` and biases, converting to the module's own layout (interleaved and/or transposed)."""
+    gate_up, down, b13 = module_layout(arch, gate_up, down, b13)
     module.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
     module.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
     if b13 is not None:

@@ -29,9 +29,11 @@ HF_LAYOUT = {"bnb", "compressed-tensors"}  # formats that are a transformers che
 
 
 def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: bool = False,
-           source: str | os.PathLike | None = None, progress: bool = False, requantize: bool = False) -> dict:
+           source: str | os.PathLike | None = None, progress: bool = False, requantize: bool = False,
+           layout: str = "transformers5") -> dict:
     """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary. ``source``: the checkpoint the
-    model came from (tokenizer and side files are taken from it). ``gguf`` writes one file: ``out`` itself when it
+    model came from (tokenizer and side files are taken from it). ``layout`` (bnb): ``transformers5`` or
+    ``transformers4`` (see :func:`moeq.export.bnb.export`). ``gguf`` writes one file: ``out`` itself when it
     ends in ``.gguf``, else ``out/model.gguf``; ``requantize`` lets it round values with no exact GGUF type again."""
     if format not in EXPORTERS:
         raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
@@ -48,7 +50,8 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
         return {"format": format, "out": str(out), **summary, "file": Path(out).name}
     with atomic_dir(out, overwrite, sources) as tmp:
         if format in HF_LAYOUT:
-            summary = EXPORTERS[format].export(model, tmp, arch)
+            summary = (bnb.export(model, tmp, arch, layout=layout) if format == "bnb"
+                       else EXPORTERS[format].export(model, tmp, arch))
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
             copy_side_files(source, tmp)

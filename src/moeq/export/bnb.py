@@ -12,6 +12,7 @@ from moeq.arch import Arch
 from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, write_config
 from moeq.formats import Bnb4Weight, Int8Weight
 from moeq.io.writer import write_shards
+from moeq.convert import module_layout
 from moeq.nn import QuantExperts
 from moeq.nn.packed import packed_slots
 from moeq.errors import MoeqError
@@ -53,7 +54,17 @@ def _check(model: nn.Module, arch: Arch) -> tuple[str, dict]:
     return kind[0], qc
 
 
-def export(model: nn.Module, out: Path, arch: Arch) -> dict:
+LAYOUTS = ("transformers5", "transformers4")
+
+
+def export(model: nn.Module, out: Path, arch: Arch, layout: str = "transformers5") -> dict:
+    """``transformers5`` (default): what transformers 5 + bitsandbytes loads with a plain ``from_pretrained`` —
+    quantized Linears in bitsandbytes' layout, experts as transformers 5's fused bf16 params (its bitsandbytes
+    integration quantizes only nn.Linear, so quantized experts have no place there: they are written dequantized,
+    the values moeq computes with). ``transformers4``: per-expert quantized weights, transformers 4.x names, the
+    layout vLLM's bitsandbytes loader and transformers 4.x read (and moeq, losslessly); transformers 5 cannot."""
+    if layout not in LAYOUTS:
+        raise MoeqError(f"unknown bnb layout {layout!r}; valid: {list(LAYOUTS)}")
     _, qc = _check(model, arch)
     skip = []  # unquantized nn.Linear modules, as transformers+bitsandbytes names them
     quantized = {name for name, _ in quantized_modules(model)}
@@ -64,9 +75,14 @@ def export(model: nn.Module, out: Path, arch: Arch) -> dict:
         skip.append(arch.to_disk(name))
     qc["llm_int8_skip_modules"] = sorted(set(skip)) or None
     tensors: list[tuple[str, torch.Tensor]] = []
-    n_experts = 0
+    n_experts, dense_experts = 0, []
     for name, mod in quantized_modules(model):
-        if isinstance(mod, QuantExperts):
+        if isinstance(mod, QuantExperts) and layout == "transformers5":
+            dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+            gate_up, down, _ = module_layout(arch, mod.w13.dequantize(dtype), mod.w2.dequantize(dtype))
+            tensors += [(arch.to_disk(name) + ".gate_up_proj", gate_up), (arch.to_disk(name) + ".down_proj", down)]
+            dense_experts.append(name)
+        elif isinstance(mod, QuantExperts):
             for e, kind, w in expert_pieces(mod):
                 tensors += _state(w, arch.disk_expert_key(name, e, kind) + ".")
             n_experts += mod.num_experts
@@ -79,7 +95,8 @@ def export(model: nn.Module, out: Path, arch: Arch) -> dict:
     write_shards(iter(tensors), out, {"format": "pt"})
     write_config(model, out, qc)
     return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "experts_split": n_experts, "kept_unquantized": qc["llm_int8_skip_modules"] or []}
+            "experts_split": n_experts, "layout": layout, "experts_dequantized": dense_experts,
+            "kept_unquantized": qc["llm_int8_skip_modules"] or []}
 
 
 def _state(w, prefix: str) -> list[tuple[str, torch.Tensor]]:
