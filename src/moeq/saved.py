@@ -15,7 +15,7 @@ from transformers.activations import ACT2FN
 
 from moeq.arch import get_arch
 from moeq.config import QuantConfig
-from moeq.convert import experts_dims, install_experts, is_experts, set_module
+from moeq.convert import activation_for, experts_dims, install_experts, is_experts, set_module
 from moeq.errors import MoeqError
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
@@ -90,9 +90,14 @@ def restore(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress: boo
             if has_bias:
                 b13, b2 = (_saved_tensor(path, ckpt, f"{name}.{b}", shape, dtype, used)
                            for b, shape in (("b13", (e, 2 * i)), ("b2", (e, h))))
+            # what the record says must be what the model config defines (the config is the model)
             act = _saved_activation(f"{path}: {name}", entry.get("activation", {}))
-            new = QuantExperts(slots["w13"], slots["w2"], act, b13, b2,
-                               weight_on_input=entry.get("weight_on_input", False))
+            want_act, want_woi = activation_for(arch, target, config), arch.moe_adapter == "llama4"
+            if act != want_act or entry.get("weight_on_input", False) != want_woi:
+                raise MoeqError(f"{path}: {name}: saved activation {vars(act)} / weight_on_input "
+                                f"{entry.get('weight_on_input', False)} contradict the model config "
+                                f"({vars(want_act)} / {want_woi})")
+            new = QuantExperts(slots["w13"], slots["w2"], act, b13, b2, weight_on_input=want_woi)
             install_experts(model, name, new, arch)
         else:
             if not isinstance(target, nn.Linear):

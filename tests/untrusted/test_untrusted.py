@@ -122,6 +122,10 @@ CASES_SAVED = {
         {"model.layers.9.mlp.experts": mutate.modules(c)[W13]}), ["model.layers.9"]),
     "bad activation": ("rtn-int4", lambda c: mutate.modules(c)[W13].update(activation={"kind": "glu", "act": "rm"}),
                        ["activation"]),
+    "weight_on_input flipped (fuzz)": ("rtn-int4", lambda c: mutate.modules(c)[W13].update(weight_on_input=True),
+                                       ["contradict"]),
+    "another valid activation": ("rtn-int4", lambda c: mutate.modules(c)[W13].update(
+        activation={"kind": "glu", "act": "gelu", "alpha": 1.702, "limit": 7.0}), ["contradict"]),
     "modules not an object": ("rtn-int4", lambda c: c["quantization_config"].update(modules=[1, 2]), ["modules"]),
 }
 
