@@ -43,3 +43,40 @@ def test_export_lists_every_requantized_tensor(tiny_ckpt, tmp_path, capsys):
     n = int(text.split("re-quantized (")[1].split(")")[0])
     assert n == 14 and text.count("-> Q4_0") == n
     assert main(["export", str(src), str(tmp_path / "h"), "--format", "gguf", "--method", "nf4", "--json"]) == 2
+
+
+def test_exports_are_judged_by_their_consumer(tiny_ckpt, tmp_path, capsys):
+    src = tiny_ckpt("qwen3_moe")
+    m = moeq.load(src, quant="rtn-int4", progress=False)
+    assert export(m, tmp_path / "ct", "compressed-tensors", source=src)["kl_vs_moeq"] == 0.0  # lossless
+    n = moeq.load(src, quant="nf4", progress=False)
+    assert export(n, tmp_path / "b4", "bnb", source=src, layout="transformers4")["kl_vs_moeq"] == 0.0
+    kl = export(n, tmp_path / "b5", "bnb", source=src)["kl_vs_moeq"]  # transformers + bitsandbytes' own kernels
+    assert 0 <= kl < 0.05
+    if kl > 0:  # past a threshold: refused, nothing written; --force writes it
+        with pytest.raises(moeq.MoeqError, match="refusing it"):
+            export(n, tmp_path / "strict", "bnb", source=src, max_kl=kl / 2)
+        assert not (tmp_path / "strict").exists()
+        export(n, tmp_path / "strict", "bnb", source=src, max_kl=kl / 2, force=True)
+    assert main(["export", str(src), str(tmp_path / "cli"), "--format", "compressed-tensors", "--method",
+                 "rtn-int8"]) == 0
+    assert "mean KL vs moeq's model 0 nats" in capsys.readouterr().out
+
+
+def test_moeq_reads_its_compressed_tensors_export(tiny_ckpt, tmp_path, capsys):
+    import torch
+
+    src = tiny_ckpt("mixtral")
+    for method in ("rtn-int4", "rtn-int4-asym", "rtn-int8"):
+        m = moeq.load(src, quant=method, progress=False)
+        export(m, tmp_path / method, "compressed-tensors", source=src)
+        back = moeq.load(tmp_path / method, progress=False)
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        assert torch.equal(m(ids).logits, back(ids).logits)
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 10)
+    ct = tmp_path / "rtn-int4"
+    assert main(["inspect", str(ct)]) == 0 and "rtn" in capsys.readouterr().out
+    assert main(["eval", str(ct), "--ref", str(src), "--text", str(text), "--ctx", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean_kl"] > 0
+    assert main(["generate", str(ct), "-p", "truth", "--max-new-tokens", "3"]) == 0

@@ -262,11 +262,14 @@ def cmd_export(args) -> int:
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
                       progress=not args.json)
     summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model,
-                     progress=not args.json, requantize=args.requantize, layout=args.layout)
+                     progress=not args.json, requantize=args.requantize, layout=args.layout,
+                     force=args.force)
     if args.json:
         print(json.dumps(summary))
         return 0
     print(f"wrote {summary['out']} ({args.format}): {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB")
+    if summary.get("kl_vs_moeq") is not None:
+        print(f"loaded as its consumer loads it: mean KL vs moeq's model {summary['kl_vs_moeq']:.3g} nats")
     requant = summary.get("requantized", [])
     print(f"re-quantized ({len(requant)}):" + "".join(f"\n  {r}" for r in requant) if requant else
           "no value re-quantized (lossless)")
@@ -477,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bnb: transformers5 loads with transformers 5 + bitsandbytes (quantized Linears; experts as "
                    "its fused bf16 params, which its bitsandbytes path never quantizes); transformers4 keeps every "
                    "expert quantized per expert (vLLM bitsandbytes, transformers 4.x, moeq; not transformers 5)")
+    e.add_argument("--force", action="store_true",
+                   help="write the export even if, loaded as its consumer loads it, it differs from moeq's model by "
+                   "more than the KL threshold (0.05 nats)")
     e.add_argument("--requantize", action="store_true",
                    help="gguf: round tensors with no exact GGUF type again (refused by default)")
     e.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT")

@@ -138,7 +138,10 @@ class ExpertsBuilder:
         if self.missing():
             raise MoeqError("incomplete experts: " + "; ".join(self.missing()[:8]))
         e_range = range(self.num_experts)
-        if isinstance(self.fmt, Keep):  # unquantized: fill the original module in its own layout
+        plain = [isinstance(p, torch.Tensor) for p in self.pieces.values()]
+        if any(plain) and not all(plain):
+            raise MoeqError(f"{self.name}: some expert weights are quantized in the checkpoint and some are not")
+        if all(plain):  # unquantized: fill the original module in its own layout
             gate_up = torch.stack([torch.cat([self.pieces[(e, "gate")], self.pieces[(e, "up")]]) for e in e_range])
             down = torch.stack([self.pieces[(e, "down")] for e in e_range])
             fill_experts_module(self.module, self.arch, gate_up, down, self.biases.get("gate_up_proj"),

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moeq import prequant
+from moeq import ctread, prequant
 from moeq.config import QuantConfig
 from moeq.errors import MoeqError
 from moeq.io import hub
@@ -46,6 +46,8 @@ def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.
         if quant is not None:
             raise MoeqError(f"{path} is already a moeq checkpoint ({qc.get('formats')}); load it without a method")
         return restore(path, ckpt, config, qc, dtype, progress)
+    if qc and qc.get("quant_method") == "compressed-tensors":
+        return _load_compressed_tensors(path, ckpt, config, qc, quant, dtype, progress)
     if qc:
         return _load_prequantized(path, ckpt, config, qc, quant, dtype, progress)
     ckpt.device = device  # in flight: each tensor is read onto the device and quantized there
@@ -74,4 +76,23 @@ def _load_prequantized(path: Path, ckpt: Checkpoint, config, qc: dict, quant, dt
         elif head not in done:
             done.add(head)
             state.put_packed(head, prequant.read_packed(ckpt, head, groups[head], dtype))
+    return state.finish()
+
+
+def _load_compressed_tensors(path: Path, ckpt: Checkpoint, config, qc: dict, quant, dtype, progress: bool) -> nn.Module:
+    """A compressed-tensors pack-quantized checkpoint (see :mod:`moeq.ctread`): its packed weights become moeq RTN
+    weights as they are; its other tensors (the ``ignore`` list) stay as the checkpoint holds them."""
+    if quant is not None:
+        raise MoeqError(f"{path} is already quantized (compressed-tensors); load it without a method")
+    dtype = compute_dtype(config, dtype)
+    state = LoadState(path, ckpt, config, QuantConfig.of("none"), dtype, quantize_linears=False)
+    heads, member = ctread.groups(ckpt)
+    done: set[str] = set()
+    for key in tqdm(ckpt.keys(), desc="loading", unit="tensor", disable=not progress):
+        head = member.get(key)
+        if head is None:
+            state.route(key)
+        elif head not in done:
+            done.add(head)
+            state.put_packed(head, ctread.read_weight(ckpt, qc, head, dtype))
     return state.finish()

@@ -20,6 +20,7 @@ from torch import nn
 
 from moeq.arch import get_arch
 from moeq.export import bnb, compressed_tensors, gguf
+from moeq.export import check as check_mod
 from moeq.export.common import quantized_modules
 from moeq.io.writer import atomic_dir, atomic_file, copy_side_files, model_sources
 from moeq.errors import MoeqError
@@ -30,10 +31,13 @@ HF_LAYOUT = {"bnb", "compressed-tensors"}  # formats that are a transformers che
 
 def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: bool = False,
            source: str | os.PathLike | None = None, progress: bool = False, requantize: bool = False,
-           layout: str = "transformers5") -> dict:
+           layout: str = "transformers5", check: bool = True, max_kl: float = check_mod.MAX_KL,
+           force: bool = False) -> dict:
     """Write ``model`` as ``format`` into ``out`` (atomically); returns a summary. ``source``: the checkpoint the
     model came from (tokenizer and side files are taken from it). ``layout`` (bnb): ``transformers5`` or
-    ``transformers4`` (see :func:`moeq.export.bnb.export`). ``gguf`` writes one file: ``out`` itself when it
+    ``transformers4`` (see :func:`moeq.export.bnb.export`). ``check``: load the written files as the consumer does and
+    measure mean KL against ``model`` (``kl_vs_moeq`` in the summary), refusing past ``max_kl`` unless ``force``.
+    ``gguf`` writes one file: ``out`` itself when it
     ends in ``.gguf``, else ``out/model.gguf``; ``requantize`` lets it round values with no exact GGUF type again."""
     if format not in EXPORTERS:
         raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
@@ -55,7 +59,17 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
             copy_side_files(source, tmp)
+            if check:  # before the rename: a refused export leaves nothing behind
+                summary["kl_vs_moeq"] = _judge(model, tmp, format, layout, source, max_kl, force)
         else:
             summary = EXPORTERS[format].export(model, tmp, arch, source=source, progress=progress,
                                                requantize=requantize)
     return {"format": format, "out": str(out), **summary}
+
+
+def _judge(model: nn.Module, written: Path, format: str, layout: str, source, max_kl: float, force: bool):
+    kl = check_mod.consumer_kl(model, written, format, layout, check_mod.sample_ids(model, source))
+    if kl is not None and kl > max_kl and not force:
+        raise MoeqError(f"the {format} export, loaded as its consumer loads it, differs from moeq's model by mean KL "
+                        f"{kl:.4g} nats (> {max_kl}); refusing it (--force writes it anyway)")
+    return kl

@@ -1,0 +1,89 @@
+"""Reading compressed-tensors ``pack-quantized`` checkpoints (what ``moeq export --format compressed-tensors``
+writes, and what llm-compressor produces for RTN-style int4/int8 weights) back into moeq's RTN weights, losslessly:
+``weight_packed`` int32 words are moeq's packed bytes, ``weight_scale`` its scales, ``weight_zero_point`` its zero
+points packed along the output dim. Everything read is validated like any other packed weight."""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+
+from moeq.errors import MoeqError
+from moeq.formats import RTNWeight
+from moeq.formats.packing import unpack
+from moeq.io.safetensors_io import Checkpoint
+
+SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+
+def _weight_args(qc: dict, module: str) -> dict:
+    """The ``weights`` settings of the config group that targets ``module`` (exact names first, then ``Linear``)."""
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise MoeqError("compressed-tensors quantization_config has no config_groups")
+    fallback = None
+    for g in groups.values():
+        targets = g.get("targets") if isinstance(g, dict) else None
+        if not isinstance(targets, list) or not isinstance(g.get("weights"), dict):
+            raise MoeqError(f"compressed-tensors config group {g!r} malformed"[:300])
+        if any(isinstance(t, str) and (t == module or (t.startswith("re:") and fnmatch.fnmatchcase(module, t[3:])))
+               for t in targets):
+            return g["weights"]
+        if "Linear" in targets:
+            fallback = g["weights"]
+    if fallback is None:
+        raise MoeqError(f"{module}: no compressed-tensors config group targets it")
+    return fallback
+
+
+def groups(ckpt: Checkpoint) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """``{weight head "X.weight": [its keys]}`` for every packed weight, and ``{member key: head}``."""
+    heads = {}
+    for k in ckpt.tensors:
+        if k.endswith(".weight_packed"):
+            prefix = k[: -len("weight_packed")]
+            heads[prefix + "weight"] = [prefix + s for s in SUFFIXES if prefix + s in ckpt.tensors]
+    member = {m: h for h, ms in heads.items() for m in ms}
+    return heads, member
+
+
+def read_weight(ckpt: Checkpoint, qc: dict, head: str, dtype: torch.dtype) -> RTNWeight:
+    prefix = head[: -len("weight")]
+    module = prefix[:-1]
+    args = _weight_args(qc, module)
+    fmt = qc.get("format")
+    if fmt != "pack-quantized":
+        raise MoeqError(f"compressed-tensors format {fmt!r} is not read by moeq (it reads pack-quantized)")
+    bits, sym, strategy = args.get("num_bits"), args.get("symmetric"), args.get("strategy")
+    if bits not in (4, 8) or args.get("type", "int") != "int" or not isinstance(sym, bool) or strategy not in (
+            "group", "channel"):
+        raise MoeqError(f"{module}: compressed-tensors weights {args} are not an RTN layout moeq reads "
+                        "(int 4/8-bit, group or channel)")
+    for s in ("weight_packed", "weight_scale", "weight_shape"):
+        if prefix + s not in ckpt.tensors:
+            raise MoeqError(f"{prefix}{s}: missing")
+    shape_t = ckpt.read(prefix + "weight_shape")
+    if shape_t.dtype not in (torch.int32, torch.int64) or shape_t.numel() != 2:
+        raise MoeqError(f"{prefix}weight_shape: expected two integers, got {shape_t.dtype} {list(shape_t.shape)}")
+    n, k = (int(v) for v in shape_t.tolist())
+    packed = ckpt.read(prefix + "weight_packed")
+    if packed.dtype != torch.int32 or packed.ndim != 2:
+        raise MoeqError(f"{prefix}weight_packed: expected 2-D int32, got {packed.dtype} {list(packed.shape)}")
+    gs = args.get("group_size") if strategy == "group" else -1
+    if strategy == "group" and (type(gs) is not int or gs <= 0):
+        raise MoeqError(f"{module}: group strategy without a valid group_size ({gs!r})")
+    scale = ckpt.read(prefix + "weight_scale")
+    if strategy == "channel":
+        scale = scale.reshape(-1, 1) if scale.numel() == n else scale
+    zero = None
+    if not sym:
+        if prefix + "weight_zero_point" not in ckpt.tensors:
+            raise MoeqError(f"{prefix}weight_zero_point: missing for an asymmetric weight")
+        zp = ckpt.read(prefix + "weight_zero_point")
+        if zp.dtype != torch.int32 or zp.ndim != 2:
+            raise MoeqError(f"{prefix}weight_zero_point: expected 2-D int32, got {zp.dtype} {list(zp.shape)}")
+        zero = unpack(zp.t().contiguous().view(torch.uint8), bits).t()[:n].contiguous()  # [rows, G]
+    w = RTNWeight(qdata=packed.contiguous().view(torch.uint8), scale=scale.contiguous(), zero=zero, bits=bits,
+                  group_size=gs, grid="vllm" if sym else "asym", shape=(n, k),
+                  dtype=scale.dtype if scale.dtype in (torch.bfloat16, torch.float16, torch.float32) else dtype)
+    return w.validate(head)
