@@ -80,3 +80,40 @@ def test_moeq_reads_its_compressed_tensors_export(tiny_ckpt, tmp_path, capsys):
     assert main(["eval", str(ct), "--ref", str(src), "--text", str(text), "--ctx", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean_kl"] > 0
     assert main(["generate", str(ct), "-p", "truth", "--max-new-tokens", "3"]) == 0
+
+
+@pytest.mark.parametrize("family,kw", [("qwen3_moe", {"norm_topk_prob": True}), ("mixtral", {})])
+def test_moeq_reads_its_gguf_export(family, kw, tiny_ckpt, tmp_path, capsys):
+    import torch
+
+    src = tiny_ckpt(family, **kw)
+    for method in ("q4_0", "q8_0"):
+        m = moeq.load(src, quant=method, progress=False)
+        out = tmp_path / f"{method}.gguf"
+        export(m, out, "gguf", source=src)
+        back = moeq.load(out, progress=False)  # exact: the config travels in the file, q/k permutation undone
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        assert torch.equal(m(ids).logits, back(ids).logits)
+    g = tmp_path / "q4_0.gguf"
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 10)
+    assert main(["inspect", str(g)]) == 0 and "rtn" in capsys.readouterr().out
+    assert main(["eval", str(g), "--ref", str(src), "--text", str(text), "--ctx", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["mean_kl"] > 0
+    assert main(["generate", str(g), "-p", "truth", "--max-new-tokens", "3"]) == 0
+
+
+def test_foreign_gguf_is_refused_clearly(tmp_path):
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(moeq.MoeqError, match="moeq did not write"):
+        moeq.load(tmp_path / "x.gguf", progress=False)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(40))
+    with pytest.raises(moeq.MoeqError, match="not a readable GGUF"):
+        moeq.load(tmp_path / "junk.gguf", progress=False)

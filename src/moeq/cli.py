@@ -81,8 +81,11 @@ def _quant_config(args):
 def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    from moeq.ggufread import gguf_file
+
     try:
-        return AutoTokenizer.from_pretrained(path)
+        g = gguf_file(Path(path))
+        return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name) if g else AutoTokenizer.from_pretrained(path)
     except Exception as e:  # an untrusted folder parsed by transformers/tokenizers: the failure is the folder's
         raise MoeqError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from None
 

@@ -48,9 +48,18 @@ def check_compatible(model: nn.Module, ref: nn.Module, tokenizer=None, ref_token
     vm, vr = model.config.get_text_config().vocab_size, ref.config.get_text_config().vocab_size
     if vm != vr:
         raise MoeqError(f"vocabulary size mismatch: model {vm} vs reference {vr}; KL needs the same vocabulary")
-    if tokenizer is not None and ref_tokenizer is not None and tokenizer.get_vocab() != ref_tokenizer.get_vocab():
+    if tokenizer is None or ref_tokenizer is None:
+        return
+    mine, theirs = tokenizer.get_vocab(), ref_tokenizer.get_vocab()
+    # the same token -> id everywhere they overlap, and nothing extra inside the reference's id range (a GGUF
+    # tokenizer adds padding tokens past the real vocabulary; those are never produced from text)
+    clash = [t for t, i in theirs.items() if mine.get(t, i) != i]
+    missing = [t for t in theirs if t not in mine]
+    extra = [t for t, i in mine.items() if t not in theirs and i < len(theirs)]
+    if clash or missing or extra:
         raise MoeqError("tokenizer mismatch between MODEL and REF: their vocabularies differ, so token ids mean "
-                         "different things; evaluate models that share a tokenizer")
+                        f"different things (e.g. {(clash + missing + extra)[:3]}); evaluate models that share a "
+                        "tokenizer")
 
 
 @torch.no_grad()

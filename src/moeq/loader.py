@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moeq import ctread, prequant
+from moeq import ctread, ggufread, prequant
 from moeq.config import QuantConfig
 from moeq.errors import MoeqError
 from moeq.io import hub
@@ -35,6 +35,10 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
 
 
 def _load(path: Path, quant, dtype, progress: bool, device: torch.device) -> nn.Module:
+    if ggufread.gguf_file(path) is not None:  # moeq's own GGUF export
+        if quant is not None:
+            raise MoeqError(f"{path} is already quantized (GGUF); load it without a method")
+        return ggufread.load(path, dtype)
     ckpt = Checkpoint(path)
     config = read_config(path)
     qc = getattr(config, "quantization_config", None)

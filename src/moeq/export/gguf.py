@@ -35,6 +35,7 @@ SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe and olmoe models (any moeq format: sy
             "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
 FILE = "model.gguf"
 MOEQ_KEY = "moeq.version"
+HF_CONFIG_KEY = "moeq.hf_config"
 
 
 def is_moeq_gguf(path: Path) -> bool:
@@ -278,6 +279,8 @@ def _hparams(w, model: nn.Module, p: _Planner) -> None:
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_name(model_name(model))
     w.add_string(MOEQ_KEY, __version__)  # marks the file as moeq's (what --overwrite may replace)
+    hf = {k: v for k, v in cfg.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
+    w.add_string(HF_CONFIG_KEY, json.dumps(hf))  # moeq reads its GGUF files back (moeq.ggufread)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)

@@ -1,0 +1,140 @@
+"""Reading moeq's own GGUF exports back (``moeq.load``, so ``inspect``/``eval``/``generate`` work on them): the
+transformers config travels in the file (``moeq.hf_config``); ``Q4_0``/``Q8_0`` blocks become moeq's symmetric RTN
+weights at group 32 exactly (fp16 block scales, the ``signed`` grid: llama.cpp's arithmetic), other tensors are read as
+stored; Mixtral's q/k row permutation for llama.cpp's RoPE is undone. Tensor names come from the same gguf-py name
+map the exporter writes with. GGUF files from other tools carry no transformers config: use llama.cpp for them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from moeq.errors import MoeqError
+from moeq.formats import RTNWeight
+from moeq.load_state import LoadState, compute_dtype, set_tensor
+from moeq.config import QuantConfig
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file a path names: the file itself, or ``model.gguf`` in a folder without safetensors weights."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "model.gguf").is_file() and not any(path.glob("*.safetensors")):
+        return path / "model.gguf"
+    return None
+
+
+def _field_str(reader, key: str) -> str | None:
+    f = reader.fields.get(key)
+    return None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8")
+
+
+def read_config(path: Path):
+    from moeq.export.gguf import HF_CONFIG_KEY, _gguf  # noqa: PLC0415
+
+    try:
+        reader = _gguf().GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - gguf-py's parser on an untrusted file: any failure is the file's
+        raise MoeqError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    raw = _field_str(reader, HF_CONFIG_KEY)
+    if raw is None:
+        raise MoeqError(f"{path}: a GGUF file moeq did not write (no {HF_CONFIG_KEY}); moeq reads its own GGUF "
+                        "exports only — run other GGUF files with llama.cpp")
+    try:
+        d = json.loads(raw)
+        config = AutoConfig.for_model(**d)
+    except Exception as e:  # noqa: BLE001
+        raise MoeqError(f"{path}: its {HF_CONFIG_KEY} is not a usable transformers config ({e})") from None
+    return reader, config
+
+
+def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
+    """Inverse of the exporter's q/k row permutation."""
+    n = a.shape[0]
+    perm = np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(-1)
+    out = np.empty_like(a)
+    out[perm] = a
+    return out
+
+
+def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name: str) -> RTNWeight:
+    """Q4_0/Q8_0 block bytes ``[..., N, K/32 * (2 + 32 * bits / 8)]`` -> RTN weight (inverse of ``ggml_blocks``)."""
+    per = 2 + 32 * bits // 8
+    b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(*shape[:-1], shape[-1] // 32, per)
+    d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
+    qs = b[..., 2:]
+    if bits == 4:  # byte j: element j (low nibble), element j+16 (high nibble)
+        codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)
+        qdata = (codes[..., 0::2] | (codes[..., 1::2] << 4)).flatten(-2)
+    else:
+        qdata = (qs.contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).flatten(-2)
+    scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(torch.float16), d) else d.float()
+    return RTNWeight(qdata=qdata.contiguous(), scale=scale.contiguous(), zero=None, bits=bits, group_size=32,
+                     grid="signed", shape=tuple(shape), dtype=torch.bfloat16).validate(name)
+
+
+def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
+    from moeq.export.gguf import FAMILIES, _Planner  # noqa: PLC0415
+
+    file = gguf_file(path)
+    reader, config = read_config(file)
+    if config.model_type not in FAMILIES:
+        raise MoeqError(f"{file}: model_type {config.model_type!r} is not one moeq exports to GGUF")
+    dtype = compute_dtype(config, dtype)
+    state = LoadState(file.parent, None, config, QuantConfig.of("none"), dtype, quantize_linears=False)
+    model, arch, fam = state.model, state.arch, FAMILIES[config.model_type]
+    planner = _Planner(model, fam)
+    targets: dict[str, tuple[str, str]] = {}  # gguf tensor name -> (kind, HF name)
+    for name, mod in model.named_modules():
+        if name.endswith(".experts") and name in state.builders:
+            il = int(name.split(".layers.")[1].split(".")[0])
+            for kind in ("gate", "up", "down"):
+                targets[f"blk.{il}.ffn_{kind}_exps.weight"] = ("experts." + kind, name)
+            continue
+        for pname, _ in list(mod.named_parameters(recurse=False)):
+            base = planner.names.get_name(name)
+            if base is not None:
+                targets[f"{base}.{pname}"] = ("linear" if isinstance(mod, nn.Linear) else "plain", f"{name}.{pname}")
+    seen = set()
+    for t in reader.tensors:
+        if t.name not in targets:
+            raise MoeqError(f"{file}: tensor {t.name} has no place in the {config.model_type} model")
+        kind, hf = targets[t.name]
+        seen.add(t.name)
+        qtype = t.tensor_type.name
+        data = np.asarray(t.data)
+        logical = tuple(int(x) for x in reversed(t.shape.tolist()))  # gguf lists dims innermost first
+        if fam.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+            data = _unpermute(data, heads)
+        per = {"Q4_0": 18, "Q8_0": 34}.get(qtype)
+        want = (int(np.prod(logical[:-1])) * (logical[-1] // 32) * per if per else int(np.prod(logical)) *
+                {"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0))
+        if not logical or (per and logical[-1] % 32) or data.nbytes != want:
+            raise MoeqError(f"{file}: tensor {t.name}: {data.nbytes} bytes of {qtype} do not hold shape "
+                            f"{list(logical)}")
+        if qtype in ("Q4_0", "Q8_0"):
+            bits = 4 if qtype == "Q4_0" else 8
+            w = _rtn_from_blocks(data, bits, logical, t.name)
+            if kind.startswith("experts."):
+                for e in range(logical[0]):
+                    state.put_packed(arch.disk_expert_key(hf, e, kind.split(".")[1]) + ".weight", w[e])
+            else:
+                state.put_packed(hf, w)
+        elif qtype in ("F32", "F16", "BF16"):
+            arr = torch.from_numpy(np.array(data, copy=True))
+            tensor = arr.view(torch.bfloat16) if qtype == "BF16" else arr
+            tensor = tensor.reshape(logical).to(dtype)
+            if kind.startswith("experts."):
+                for e in range(logical[0]):
+                    state.builders[hf].put(e, kind.split(".")[1], tensor[e], t.name)
+                state._build_if_complete(hf)
+            else:
+                set_tensor(model, hf, tensor, t.name)
+        else:
+            raise MoeqError(f"{file}: tensor {t.name} has GGML type {qtype}; moeq reads Q4_0, Q8_0, F32, F16, BF16")
+    return state.finish()
