@@ -58,6 +58,13 @@ def test_exports_are_judged_by_their_consumer(tiny_ckpt, tmp_path, capsys):
             export(n, tmp_path / "strict", "bnb", source=src, max_kl=kl / 2)
         assert not (tmp_path / "strict").exists()
         export(n, tmp_path / "strict", "bnb", source=src, max_kl=kl / 2, force=True)
+    g = moeq.load(tiny_ckpt("qwen3_moe", norm_topk_prob=True), quant="q4_0", progress=False)
+    assert export(g, tmp_path / "g.gguf", "gguf", source=src)["kl_vs_moeq"] == 0.0  # read back exactly
+    nf = moeq.load(tiny_ckpt("qwen3_moe", norm_topk_prob=True), quant="nf4", progress=False)
+    assert export(nf, tmp_path / "r.gguf", "gguf", source=src, requantize=True)["kl_vs_moeq"] > 0  # double rounding
+    with pytest.raises(moeq.MoeqError, match="refusing it"):
+        export(nf, tmp_path / "r2.gguf", "gguf", source=src, requantize=True, max_kl=1e-9)
+    assert not (tmp_path / "r2.gguf").exists()
     assert main(["export", str(src), str(tmp_path / "cli"), "--format", "compressed-tensors", "--method",
                  "rtn-int8"]) == 0
     assert "mean KL vs moeq's model 0 nats" in capsys.readouterr().out

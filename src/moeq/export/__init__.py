@@ -51,6 +51,8 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
         with atomic_file(out, overwrite, sources, ours=gguf.is_moeq_gguf) as tmp:
             summary = gguf.export(model, tmp.parent, arch, source=source, progress=progress, requantize=requantize,
                                   file=tmp.name)
+            if check:
+                summary["kl_vs_moeq"] = _judge(model, tmp, format, layout, source, max_kl, force)
         return {"format": format, "out": str(out), **summary, "file": Path(out).name}
     with atomic_dir(out, overwrite, sources) as tmp:
         if format in HF_LAYOUT:
@@ -64,6 +66,8 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
         else:
             summary = EXPORTERS[format].export(model, tmp, arch, source=source, progress=progress,
                                                requantize=requantize)
+            if check:
+                summary["kl_vs_moeq"] = _judge(model, tmp / summary["file"], format, layout, source, max_kl, force)
     return {"format": format, "out": str(out), **summary}
 
 

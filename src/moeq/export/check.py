@@ -1,6 +1,6 @@
 """Judging an export by what its consumer computes: load the written files the way the consumer does (moeq for
-compressed-tensors and the transformers-4 bnb layout, transformers + bitsandbytes for the transformers-5 bnb layout)
-and measure the mean KL(moeq's model || export) over a short built-in public-domain text (or the caller's ids)."""
+compressed-tensors and the transformers-4 bnb layout, transformers + bitsandbytes for the transformers-5 bnb layout,
+the GGUF file's own weights read back for gguf) and measure the mean KL(moeq's model || export) over a short built-in public-domain text (or the caller's ids)."""
 from __future__ import annotations
 
 import logging
@@ -51,7 +51,7 @@ def mean_kl(model: nn.Module, other: nn.Module, ids: torch.Tensor) -> float:
 
 
 def consumer_kl(model: nn.Module, written: Path, format: str, layout: str, ids: torch.Tensor) -> float | None:
-    """KL of the export as its consumer loads it; None where the consumer is not available here (llama.cpp)."""
+    """KL of the export as its consumer loads it."""
     if format == "compressed-tensors" or (format == "bnb" and layout == "transformers4"):
         from moeq.loader import load  # noqa: PLC0415
 
@@ -60,4 +60,8 @@ def consumer_kl(model: nn.Module, written: Path, format: str, layout: str, ids: 
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
         return mean_kl(model, AutoModelForCausalLM.from_pretrained(written).eval(), ids)
+    if format == "gguf":  # the GGUF's own weights, read back exactly (llama.cpp itself is checked in the tests)
+        from moeq import ggufread  # noqa: PLC0415
+
+        return mean_kl(model, ggufread.load(written), ids)
     return None
