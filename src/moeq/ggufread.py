@@ -6,6 +6,7 @@ map the exporter writes with. GGUF files from other tools carry no transformers 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,21 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
                      grid="signed", shape=tuple(shape), dtype=torch.bfloat16).validate(name)
 
 
+def _check_tiling(file: Path, reader) -> None:
+    """Tensor data ranges must lie inside the file and not overlap (an offset aimed at another tensor's bytes would
+    silently duplicate it): GGUF has no such check of its own."""
+    size = file.stat().st_size
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    names = [n for _, _, n in spans]
+    if len(set(names)) != len(names):
+        raise MoeqError(f"{file}: a tensor name appears twice")
+    end = 0
+    for a, b, name in spans:
+        if a < end or b > size:
+            raise MoeqError(f"{file}: tensor {name}: data range {a}..{b} overlaps another tensor or leaves the file")
+        end = b
+
+
 def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     from moeq.export.gguf import FAMILIES, _Planner  # noqa: PLC0415
 
@@ -99,6 +115,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             base = planner.names.get_name(name)
             if base is not None:
                 targets[f"{base}.{pname}"] = ("linear" if isinstance(mod, nn.Linear) else "plain", f"{name}.{pname}")
+    _check_tiling(file, reader)
     seen = set()
     for t in reader.tensors:
         if t.name not in targets:
@@ -112,9 +129,9 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             data = _unpermute(data, heads)
         per = {"Q4_0": 18, "Q8_0": 34}.get(qtype)
-        want = (int(np.prod(logical[:-1])) * (logical[-1] // 32) * per if per else int(np.prod(logical)) *
+        want = (math.prod(logical[:-1]) * (logical[-1] // 32) * per if per else math.prod(logical) *
                 {"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0))
-        if not logical or (per and logical[-1] % 32) or data.nbytes != want:
+        if not logical or min(logical) <= 0 or (per and logical[-1] % 32) or data.nbytes != want:
             raise MoeqError(f"{file}: tensor {t.name}: {data.nbytes} bytes of {qtype} do not hold shape "
                             f"{list(logical)}")
         if qtype in ("Q4_0", "Q8_0"):

@@ -235,6 +235,50 @@ def test_fuzz_source_in_flight(source_ref, isolated, data):
     check(isolated, src, ref, mutation, data, quant="rtn-int4")
 
 
+def m_gguf(data, d: Path) -> None:
+    """Structural damage to a GGUF file: its counts/version, its tensor-info table (types, dims, offsets), a
+    truncated or extended tail. (Not the values inside metadata strings: another number in the stored transformers
+    config is a valid, different model.)"""
+    import gguf  # noqa: PLC0415
+
+    path = d / "model.gguf"
+    raw = bytearray(path.read_bytes())
+    r = gguf.GGUFReader(str(path))
+    info_start = min(int(t.field.offset) for t in r.tensors)
+    info_end = max(int(t.field.offset) + sum(int(p.nbytes) for p in t.field.parts) for t in r.tensors)
+    kind = data.draw(st.sampled_from(["head", "info", "truncate", "append"]))
+    if kind in ("head", "info"):
+        lo, hi = (4, 24) if kind == "head" else (info_start, info_end - 1)
+        i = data.draw(st.integers(lo, hi))
+        raw[i] = data.draw(st.integers(0, 255))
+    elif kind == "truncate":
+        del raw[len(raw) - data.draw(st.integers(1, 4096)):]
+    else:
+        raw += bytes(data.draw(st.integers(1, 64)))
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def gguf_ref(tiny_ckpt, isolated, tmp_path_factory):
+    import moeq  # noqa: PLC0415
+    from moeq.export import export  # noqa: PLC0415
+
+    src = tiny_ckpt("qwen3_moe", norm_topk_prob=True)
+    d = tmp_path_factory.mktemp("ggufref")
+    export(moeq.load(src, quant="q4_0", progress=False), d / "g", "gguf", source=src)
+    ref = d / "ref.pt"
+    r = isolated.load(d / "g", save=ref)
+    assert r["outcome"] == "ok" and r["finite"], r
+    return d / "g", ref
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_gguf_readback(gguf_ref, isolated, data):
+    ckpt, ref = gguf_ref
+    check(isolated, ckpt, ref, m_gguf, data)
+
+
 def test_budget_is_bounded():
     """CI runs a bounded number of examples (the long runs set MOEQ_FUZZ_EXAMPLES explicitly)."""
     assert 1 <= EXAMPLES and (EXAMPLES <= 50 or "MOEQ_FUZZ_EXAMPLES" in os.environ)

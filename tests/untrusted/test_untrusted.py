@@ -414,3 +414,31 @@ def test_config_sizes_cannot_exhaust_memory(tiny_ckpt, isolated, tmp_path, key, 
     d = mutate.copy(tiny_ckpt("qwen3_moe"), tmp_path / "c")
     mutate.edit_config(d, lambda c: c.update({key: value}))
     assert_refused(isolated.load(d, quant="rtn-int4"), key)
+
+
+def test_gguf_zero_dim_and_overlap_refused(tiny_ckpt, isolated, tmp_path):
+    """Found by the GGUF fuzz target: a tensor dim flipped to 0 crashed the bf16 view; an offset aimed at another
+    tensor's bytes would silently duplicate it."""
+    import gguf as ggufpy
+
+    from moeq.export import export
+
+    src = tiny_ckpt("qwen3_moe", norm_topk_prob=True)
+    d = tmp_path / "g"
+    export(moeq.load(src, quant="q4_0", progress=False), d, "gguf", source=src)
+    f = d / "model.gguf"
+    good = f.read_bytes()
+    r = ggufpy.GGUFReader(str(f))
+    t = next(t for t in r.tensors if t.tensor_type.name == "BF16")
+    dim_off = int(t.field.offset) + sum(int(p.nbytes) for p in t.field.parts[:3])  # name len, name, n_dims
+    raw = bytearray(good)
+    raw[dim_off:dim_off + 8] = bytes(8)
+    f.write_bytes(bytes(raw))
+    assert_refused(isolated.load(d), t.name)
+    a, b = r.tensors[0], r.tensors[1]
+    raw = bytearray(good)
+    pos = int(a.field.offset) + sum(int(p.nbytes) for p in a.field.parts[:-1])
+    raw[pos:pos + 8] = int(b.data_offset - r.data_offset).to_bytes(8, "little")
+    f.write_bytes(bytes(raw))
+    reply = isolated.load(d)
+    assert reply["outcome"] == "error" and ("overlaps" in reply["msg"] or "do not hold" in reply["msg"]), reply
