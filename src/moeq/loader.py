@@ -72,14 +72,20 @@ def _load_prequantized(path: Path, ckpt: Checkpoint, config, qc: dict, quant, dt
     qcfg = QuantConfig.of(quant if quant is not None else prequant.inflight_config(qc))
     state = LoadState(path, ckpt, config, qcfg, dtype, quantize_linears=False)
     groups, member = prequant.quantized_groups(ckpt)
+    return _stream(state, member, lambda head: prequant.read_packed(ckpt, head, groups[head], dtype), progress)
+
+
+def _stream(state: LoadState, member: dict[str, str], read_packed, progress: bool) -> nn.Module:
+    """The one loop of a checkpoint holding packed weights: each weight's keys (``member``: key -> its weight) are
+    read together once and placed as packed; every other tensor takes the plain route."""
     done: set[str] = set()
-    for key in tqdm(ckpt.keys(), desc="loading", unit="tensor", disable=not progress):
+    for key in tqdm(state.ckpt.keys(), desc="loading", unit="tensor", disable=not progress):
         head = member.get(key)
         if head is None:
             state.route(key)
         elif head not in done:
             done.add(head)
-            state.put_packed(head, prequant.read_packed(ckpt, head, groups[head], dtype))
+            state.put_packed(head, read_packed(head))
     return state.finish()
 
 
@@ -90,13 +96,5 @@ def _load_compressed_tensors(path: Path, ckpt: Checkpoint, config, qc: dict, qua
         raise MoeqError(f"{path} is already quantized (compressed-tensors); load it without a method")
     dtype = compute_dtype(config, dtype)
     state = LoadState(path, ckpt, config, QuantConfig.of("none"), dtype, quantize_linears=False)
-    heads, member = ctread.groups(ckpt)
-    done: set[str] = set()
-    for key in tqdm(ckpt.keys(), desc="loading", unit="tensor", disable=not progress):
-        head = member.get(key)
-        if head is None:
-            state.route(key)
-        elif head not in done:
-            done.add(head)
-            state.put_packed(head, ctread.read_weight(ckpt, qc, head, dtype))
-    return state.finish()
+    _, member = ctread.groups(ckpt)
+    return _stream(state, member, lambda head: ctread.read_weight(ckpt, qc, head, dtype), progress)
