@@ -65,7 +65,7 @@ def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
 def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name: str) -> RTNWeight:
     """Q4_0/Q8_0 block bytes ``[..., N, K/32 * (2 + 32 * bits / 8)]`` -> RTN weight (inverse of ``ggml_blocks``)."""
     per = 2 + 32 * bits // 8
-    b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(*shape[:-1], shape[-1] // 32, per)
+    b = torch.from_numpy(np.array(blocks, copy=True)).reshape(*shape[:-1], shape[-1] // 32, per)
     d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
     qs = b[..., 2:]
     if bits == 4:  # byte j: element j (low nibble), element j+16 (high nibble)
