@@ -90,6 +90,40 @@ class _Router:
         return logits, values.to(logits.dtype) if cast else values, indices
 
 
+HEAD_MAX_ROWS = 4  # the gemv re-reads each weight row from L1 per x row: past ~4 rows torch's GEMM wins (measured)
+
+
+class _Head:
+    """A bf16 output head (``nn.Linear`` without bias, e.g. the lm_head the default policy keeps, or tied
+    embeddings) for up to :data:`HEAD_MAX_ROWS` rows as one native gemv at memory speed; torch's CPU bf16 gemv reads
+    a 150k-row head several times slower. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
+
+    @staticmethod
+    def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // mod.in_features <= HEAD_MAX_ROWS:
+            y = bf16_linear(x, mod.weight)
+            if y is not None:
+                return y
+        return type(mod).forward(mod, x)
+
+
+def _try_head(model: nn.Module) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (type(head) is not nn.Linear or head.bias is not None or "forward" in head.__dict__
+            or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu"
+            or not head.weight.is_contiguous() or head.in_features % 32):
+        return False
+    x = _probe(head.in_features, rows=HEAD_MAX_ROWS)
+    with torch.no_grad():
+        got, ref = bf16_linear(x, head.weight), nn.functional.linear(x, head.weight)
+    # one bf16 rounding of each output, plus summation-order noise on outputs that cancel to near zero
+    if got is None or got.shape != ref.shape or not bool(((got.float() - ref.float()).abs() <= 2.0 ** -7 * torch.maximum(
+            got.float().abs(), ref.float().abs()) + 2.0 ** -12 * ref.float().abs().amax(-1, keepdim=True)).all()):
+        return False
+    head.forward = types.MethodType(_Head.forward, head)
+    return True
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place, one token: ``x [B, 1, H, D]`` (contiguous bf16) = x cos + rotate_half(x) sin, ``cos/sin [B, 1, D]``,
     with torch's bf16 rounding of each product and of the sum."""
@@ -236,12 +270,13 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
 
 
 def install(model: nn.Module) -> dict[str, int]:
-    """Give the model's bf16 RMSNorms, softmax top-k routers and Llama-style attention modules their native decode
-    forwards where each reproduces the module's own output; returns how many of each got one. A no-op without the
+    """Give the model's bf16 RMSNorms, softmax top-k routers, Llama-style attention modules and bf16 output head their
+    native decode forwards where each reproduces the module's own output; returns how many of each got one. A no-op without the
     native kernels (AVX512-BF16)."""
-    done = {"rms_norm": 0, "router": 0, "attention": 0}
+    done = {"rms_norm": 0, "router": 0, "attention": 0, "head": 0}
     if not native.has_dpbf16():
         return done
+    done["head"] = int(_try_head(model))
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
     for _, mod in model.named_modules():
         if "forward" in mod.__dict__:  # already installed (or replaced by someone else): leave it
