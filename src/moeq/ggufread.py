@@ -35,10 +35,10 @@ def _field_str(reader, key: str) -> str | None:
 
 
 def read_config(path: Path):
-    from moeq.export.gguf import HF_CONFIG_KEY, _gguf  # noqa: PLC0415
+    from moeq.export.gguf import HF_CONFIG_KEY, gguf_lib  # noqa: PLC0415
 
     try:
-        reader = _gguf().GGUFReader(str(path))
+        reader = gguf_lib().GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - gguf-py's parser on an untrusted file: any failure is the file's
         raise MoeqError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     raw = _field_str(reader, HF_CONFIG_KEY)
@@ -94,7 +94,7 @@ def _check_tiling(file: Path, reader) -> None:
 
 
 def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
-    from moeq.export.gguf import FAMILIES, _Planner  # noqa: PLC0415
+    from moeq.export.gguf import FAMILIES, Planner  # noqa: PLC0415
 
     file = gguf_file(path)
     reader, config = read_config(file)
@@ -103,7 +103,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     dtype = compute_dtype(config, dtype)
     state = LoadState(file.parent, None, config, QuantConfig.of("none"), dtype, quantize_linears=False)
     model, arch, fam = state.model, state.arch, FAMILIES[config.model_type]
-    planner = _Planner(model, fam)
+    planner = Planner(model, fam)
     targets: dict[str, tuple[str, str]] = {}  # gguf tensor name -> (kind, HF name)
     for name, mod in model.named_modules():
         if name.endswith(".experts") and name in state.builders:

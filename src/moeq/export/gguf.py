@@ -41,7 +41,7 @@ HF_CONFIG_KEY = "moeq.hf_config"
 def is_moeq_gguf(path: Path) -> bool:
     """A GGUF file that moeq wrote (its ``moeq.version`` key): what ``--overwrite`` may replace."""
     try:
-        return MOEQ_KEY in _gguf().GGUFReader(str(path)).fields
+        return MOEQ_KEY in gguf_lib().GGUFReader(str(path)).fields
     except Exception:  # noqa: BLE001 - not a readable GGUF file: not ours
         return False
 
@@ -83,7 +83,7 @@ class Planned:
     note: str = ""  # "exact", "requantized from ...", "kept"
 
 
-def _gguf():
+def gguf_lib():
     try:
         import gguf  # noqa: PLC0415
     except ImportError as e:  # pragma: no cover - gguf is a dependency of the export extra
@@ -119,7 +119,7 @@ def _bits(w: PackedWeight) -> int:
 
 def requantize(values: torch.Tensor, qtype: str) -> np.ndarray:
     """llama.cpp's own rounding (gguf.quants) of dequantized fp32 values."""
-    gguf = _gguf()
+    gguf = gguf_lib()
     return gguf.quants.quantize(values.float().numpy(), gguf.GGMLQuantizationType[qtype])
 
 
@@ -153,9 +153,9 @@ def _plain(t: torch.Tensor, force_f32: bool) -> tuple[Callable[[], np.ndarray], 
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-class _Planner:
+class Planner:
     def __init__(self, model: nn.Module, fam: Family):
-        gguf = _gguf()
+        gguf = gguf_lib()
         cfg = model.config
         self.gguf, self.cfg, self.fam = gguf, cfg, fam
         self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.num_hidden_layers)
@@ -228,8 +228,8 @@ class _Planner:
         self.add(f"{base}.{suffix}", make, qtype, "kept", tuple(t.shape))
 
 
-def plan(model: nn.Module, fam: Family) -> _Planner:
-    p = _Planner(model, fam)
+def plan(model: nn.Module, fam: Family) -> Planner:
+    p = Planner(model, fam)
     quantized = {}
     for name, mod in quantized_modules(model):
         quantized[name] = mod
@@ -274,7 +274,7 @@ def _check(model: nn.Module) -> Family:
     return fam
 
 
-def _hparams(w, model: nn.Module, p: _Planner) -> None:
+def _hparams(w, model: nn.Module, p: Planner) -> None:
     cfg, gguf = model.config, p.gguf
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_name(model_name(model))
@@ -336,7 +336,7 @@ def _merge_scores(tok_json: Path, tokens: list, scores: list[float]) -> list[flo
 
 
 def _tokenizer(w, source: Path, n_vocab: int, fam: Family) -> str:
-    gguf = _gguf()
+    gguf = gguf_lib()
     from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab  # noqa: PLC0415
 
     vocab, errors = None, []
@@ -395,7 +395,7 @@ def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool 
             "type: exporting them would round moeq's already-rounded values a second time (measured to make NF4 "
             "models unusable in llama.cpp). Export losslessly from the bf16 source instead: moeq export SOURCE "
             "OUT.gguf --format gguf --method q4_0 (or q8_0); or pass --requantize to accept the double rounding")
-    gguf = _gguf()
+    gguf = gguf_lib()
     w = gguf.GGUFWriter(out / file, fam.arch)
     _hparams(w, model, p)
     tokenizer_model = _tokenizer(w, src, model.config.vocab_size, fam)

@@ -1,0 +1,60 @@
+"""The house rules of the package layout, checked from the source: no import cycles between moeq's modules, no module
+importing another's private names, and the bottom layers (errors, native, formats) importing nothing above them."""
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "moeq"
+
+
+def graph() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    mods = {}
+    for f in SRC.rglob("*.py"):
+        name = ".".join(("moeq", *f.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+        mods[name] = f
+    edges = {m: set() for m in mods}
+    private = []
+    for m, f in mods.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moeq"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    target = full if full in mods else node.module
+                    if target in mods and target != m:
+                        edges[m].add(target)
+                    if a.name.startswith("_") and not a.name.startswith("__") and node.module != m:
+                        private.append((m, full))
+            elif isinstance(node, ast.Import):
+                edges[m].update(a.name for a in node.names if a.name in mods and a.name != m)
+    return edges, private
+
+
+def test_no_import_cycles():
+    edges, _ = graph()
+    state: dict[str, int] = {}
+
+    def visit(v, path):
+        state[v] = 1
+        for w in edges[v]:
+            assert state.get(w) != 1, f"import cycle: {' -> '.join(path + [w])}"
+            if w not in state:
+                visit(w, path + [w])
+        state[v] = 2
+
+    for v in edges:
+        if v not in state:
+            visit(v, [v])
+
+
+def test_no_private_imports_across_modules():
+    _, private = graph()
+    assert private == []
+
+
+def test_bottom_layers_import_nothing_above_them():
+    edges, _ = graph()
+    allowed = {"moeq.errors": set(), "moeq.native": {"moeq.errors"}}
+    for m, targets in edges.items():
+        if m in allowed:
+            assert targets <= allowed[m], (m, targets)
+        if m.startswith("moeq.formats"):
+            assert all(t.startswith(("moeq.formats", "moeq.native", "moeq.errors")) for t in targets), (m, targets)
