@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moeq
+from moeq import native
 from moeq.cli import main
 
 OLD = Path(__file__).parent / "fixtures" / "saved-0.1.0"
@@ -15,9 +16,13 @@ OLD = Path(__file__).parent / "fixtures" / "saved-0.1.0"
 
 @pytest.mark.parametrize("method", ["rtn-int4-asym", "nf4"])
 def test_previous_layout_loads_identically(method):
-    ref = torch.load(OLD / "logits.pt")[method]
+    ref = torch.load(OLD / "logits.pt")[method]  # computed with the AVX512 kernels of this machine kind
     m = moeq.load(OLD / method, progress=False)
-    assert torch.equal(m(torch.tensor([[3, 10, 17, 24, 31, 38]])).logits.float(), ref)
+    got = m(torch.tensor([[3, 10, 17, 24, 31, 38]])).logits.float()
+    if native.has_dpbf16():
+        assert torch.equal(got, ref)
+    else:  # another ISA's kernels (e.g. MOEQ_NATIVE_MARCH=x86-64-v3) sum in another order
+        assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
 def test_previous_output_can_be_overwritten(tiny_ckpt, tmp_path):

@@ -34,7 +34,17 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c")
 HEADERS = ("moeq.h", "rtn4_rows.h")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 (AVX2 only) to build and test what CPUs without AVX512 get
+
+
+def march() -> str:
+    """The ``-march`` the library is built for: the build machine's own (``native``) unless ``MOEQ_NATIVE_MARCH``
+    names another (a build-time choice, like CC; read when the library is first built)."""
+    value = os.environ.get(ISA_ENV, "native")
+    if not value or not all(c.isalnum() or c in "-_." for c in value):
+        raise MoeqError(f"{ISA_ENV}={value!r} is not a -march value (e.g. native, x86-64-v3)")
+    return value
 
 
 class Fmt(enum.IntEnum):
@@ -135,14 +145,15 @@ def _build(cc: str) -> Path | None:
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
-    digest.update(" ".join([cc, *FLAGS, _cpu_flags()]).encode())
+    flags = [*FLAGS, f"-march={march()}"]
+    digest.update(" ".join([cc, *flags, _cpu_flags()]).encode())
     so = _cache_dir() / f"libmoeq_cpu_{digest.hexdigest()[:16]}.so"
     if so.exists():
         return so
     so.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
         out = Path(tmp) / so.name
-        proc = subprocess.run([cc, *FLAGS, *(str(CSRC / f) for f in SOURCES), "-o", str(out), "-lm"],
+        proc = subprocess.run([cc, *flags, *(str(CSRC / f) for f in SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode:
             log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
