@@ -75,7 +75,13 @@ def main() -> None:
         gguf = CACHE / f"bench-{args.layers}L-{method}.gguf"
         model = moeq.load(src, quant=method, progress=False)
         if not gguf.exists():
-            export(model, gguf, "gguf", source=src, check=False)  # lossless by construction (q4_0/q8_0)
+            tok = src
+            if not (src / "tokenizer.json").exists():  # the bench model has random weights and no tokenizer: a
+                from moeq.tiny import tiny_tokenizer  # noqa: PLC0415  byte-level one (GGUF pads its vocabulary)
+
+                tok = CACHE / "bench-tokenizer"
+                tiny_tokenizer().save_pretrained(tok)
+            export(model, gguf, "gguf", source=tok, check=False)  # lossless by construction (q4_0/q8_0)
         for rnd in range(args.rounds):
             t0 = time.time()
             theirs = llama_bench(exe, gguf, args.threads)
