@@ -106,7 +106,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     planner = Planner(model, fam)
     targets: dict[str, tuple[str, str]] = {}  # gguf tensor name -> (kind, HF name)
     for name, mod in model.named_modules():
-        if name.endswith(".experts") and name in state.builders:
+        if name in state.builders:
             il = int(name.split(".layers.")[1].split(".")[0])
             for kind in ("gate", "up", "down"):
                 targets[f"blk.{il}.ffn_{kind}_exps.weight"] = ("experts." + kind, name)

@@ -17,7 +17,8 @@ from moeq.errors import MoeqError
 from moeq.io import hub
 from moeq.io.safetensors_io import Checkpoint
 from moeq.load_state import LoadState, compute_dtype, read_config
-from moeq.saved import QUANT_METHOD, restore
+from moeq.record import QUANT_METHOD
+from moeq.saved import restore
 
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,

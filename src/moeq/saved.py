@@ -21,7 +21,6 @@ from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
 from moeq.load_state import compute_dtype, finish_model, load_generation_config, set_or_note_unused, skeleton
 from moeq.nn import Activation, QuantExperts, QuantLinear
-from moeq.record import QUANT_METHOD, quantization_config  # noqa: F401 (the saved format's writer)
 
 def _saved_entry(path: Path, name: str, entry) -> tuple[str, dict, bool]:
     """Check one ``modules`` entry of a saved moeq config: its type, slots and flags, naming the module at fault."""

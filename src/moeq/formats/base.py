@@ -159,14 +159,7 @@ class PackedWeight:
                 ok = type(v) is want
             if not ok:
                 raise MoeqError(f"{where}: metadata {n}={v!r} has the wrong type")
-        for n, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise MoeqError(f"{where}: {n} is not a tensor")
-        try:
-            dtype = parse_dtype(meta["dtype"], f"{where}: ")
-        except KeyError:  # pragma: no cover - every format declares dtype
-            raise MoeqError(f"{where}: metadata lacks dtype") from None
-        meta = dict(meta, dtype=dtype_name(dtype))
+        parse_dtype(meta["dtype"], f"{where}: ")  # a known dtype name, named in the error otherwise
         return cls.from_parts(tensors, meta).validate(where)
 
     _META_TYPES: ClassVar[dict[str, type]] = {}  # metadata field -> its JSON type (default str)

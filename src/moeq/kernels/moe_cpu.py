@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
 
 import torch
 
 from moeq import native
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
+from moeq.kernels.registry import by_format
 from moeq.native import Fmt, WStack
 
 MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measured)
 
 
-_DESCRIBERS: dict[str, Callable] = {}
-
-
-def describer(fmt: str):
-    """Register how the native kernels read packed weights of format ``fmt`` (one function per format)."""
-    def deco(fn):
-        _DESCRIBERS[fmt] = fn
-        return fn
-    return deco
+# how the native kernels read packed weights of each format (one function per format)
+_DESCRIBERS, describer = by_format("native weight description")
 
 
 def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:

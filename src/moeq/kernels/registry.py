@@ -20,5 +20,22 @@ def register(fmt: str):
     return deco
 
 
-def kernels_for(fmt: str) -> tuple[Kernel, ...]:
-    return tuple(KERNELS.get(fmt, ()))
+def kernels_for(fmt: str) -> list[Kernel] | tuple[()]:
+    """The registered kernels of ``fmt`` (the registry's own list: read it, don't change it)."""
+    return KERNELS.get(fmt, ())
+
+
+def by_format(what: str):
+    """A one-function-per-format table and its registering decorator (``@decorator(fmt)``), for the per-backend
+    knowledge of a format (its native description, its Triton layout)."""
+    table: dict[str, Callable] = {}
+
+    def register_one(fmt: str):
+        def deco(fn):
+            if fmt in table:
+                raise ValueError(f"{what} for format {fmt!r} registered twice")
+            table[fmt] = fn
+            return fn
+        return deco
+
+    return table, register_one

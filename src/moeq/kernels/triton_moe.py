@@ -14,7 +14,6 @@ bf16 ``tl.dot`` is wrong, so tests use fp32/fp16 activations there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 import triton
@@ -22,6 +21,7 @@ import triton.language as tl
 
 from moeq.formats import Bnb4Weight, Int8Weight, PackedWeight, RTNWeight
 from moeq.formats.int8 import INV127
+from moeq.kernels.registry import by_format
 
 Q_RTN4, Q_RTN8, Q_BNB4, Q_INT8 = 0, 1, 2, 3
 ACT_NONE, ACT_SILU_GLU, ACT_GPTOSS = 0, 1, 2
@@ -44,15 +44,8 @@ class KernelWeight:
         return self.q.shape[0]
 
 
-_LAYOUTS: dict[str, Callable] = {}
-
-
-def layout(fmt: str):
-    """Register how the Triton kernel reads packed weights of format ``fmt`` (one function per format)."""
-    def deco(fn):
-        _LAYOUTS[fmt] = fn
-        return fn
-    return deco
+# how the Triton kernel reads packed weights of each format (one function per format)
+_LAYOUTS, layout = by_format("Triton layout")
 
 
 def kernel_layout(w: PackedWeight) -> KernelWeight | None:
