@@ -14,11 +14,21 @@ the KL that bf16 arithmetic alone costs against the fp32 reference (the floor un
 may also be the fixture's dense sibling (``smollm2-dense``): the same trained weights without routing.
 
 The hqq-library rows need the hqq package (``DISABLE_CUDA=1 pip install hqq``); without it they are skipped.
+
+llama.cpp rows (``--llamacpp TYPE[:pure] ...``, default :data:`LLAMACPP_TYPES`; ``--llamacpp`` alone: none): the
+fixture as a BF16 GGUF (moeq's export, checked tensor for tensor against llama.cpp's own ``convert_hf_to_gguf.py``
+when that runs), re-typed by ``llama-quantize`` without an importance matrix (``:pure``: ``--pure``, one type on every
+tensor; token embeddings/output kept BF16 as moeq keeps them), read back by ``moeq.load`` (gguf-py decodes every type
+into the bf16 model) and scored in the same pass as moeq's rows; bits/weight over the same tensors (attention q, k,
+v, o and experts). Tools missing (see benchmarks/llamacpp.py): those rows are skipped with a message.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +42,11 @@ from moeq.io.writer import write_json
 
 HERE = Path(__file__).parent
 DATA = HERE.parent.parent / "shared" / "data"
+sys.path.insert(0, str(HERE))
+import llamacpp  # noqa: E402
+
+LLAMACPP_TYPES = ["Q4_0", "Q4_0:pure", "IQ4_NL", "IQ4_NL:pure", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q3_K_S",
+                  "IQ3_S", "Q6_K", "Q8_0"]
 
 
 def methods() -> dict[str, QuantConfig]:
@@ -57,6 +72,16 @@ def methods() -> dict[str, QuantConfig]:
         "3-bit experts g32 +hqq, attention int8": QuantConfig(RTN(3, 32, False, hqq=20),
                                                               rules={"*.self_attn.*": RTN(8, 64)}),
         "preset balanced": presets()["balanced"],
+        "q4_0 (llama.cpp Q4_0 rounding)": RTN(4, 32, grid="signed"),
+        "q4_0-opt (weighted search, x2)": RTN(4, 32, grid="signed", search=7),
+        "q4_0-opt row": RTN(4, 32, grid="signed", search=7, weighting="row"),
+        "iq4nl (weighted search, x2)": RTN(4, 32, grid="iq4nl", search=7),
+        "iq4nl row": RTN(4, 32, grid="iq4nl", search=7, weighting="row"),
+        "iq4nl mse": RTN(4, 32, grid="iq4nl", search=7, weighting="mse"),
+        "iq4nl s15": RTN(4, 32, grid="iq4nl", search=15),
+        "iq4nl s0": RTN(4, 32, grid="iq4nl", search=0),
+        "iq4nl, k,v q8_0": QuantConfig(RTN(4, 32, grid="iq4nl", search=7),
+                                       rules={"*.k_proj": RTN(8, 32, grid="signed"), "*.v_proj": RTN(8, 32, grid="signed")}),
         "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
     }
     return {k: QuantConfig.of(v) for k, v in m.items()}
@@ -99,6 +124,38 @@ def _row(method: str, secs: float, bpw: float, params: int) -> dict:
             "quantize_gbps": params * 2 / secs / 1e9 if secs else 0.0}
 
 
+def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: Path) -> tuple[dict, dict, dict]:
+    """llama.cpp's calibration-free types on the same fixture (see the module docstring): models, rows, and what
+    was checked about the conversion."""
+    exe = llamacpp.find_tool("llama-quantize")
+    if exe is None:
+        print("skipping llama.cpp rows: llama-quantize not found (build steps in benchmarks/llamacpp.py)")
+        return {}, {}, {}
+    from moeq.export import export  # noqa: PLC0415
+
+    bf16 = work / "moeq-bf16"
+    export(moeq.load(model_dir, dtype=torch.bfloat16, progress=False), bf16, "gguf", source=model_dir)
+    src = bf16 / "model.gguf"
+    info: dict = {"llama_quantize": str(exe)}
+    try:
+        theirs = llamacpp.convert(Path(model_dir), work / "converter-bf16.gguf")
+        info["converter_tensors_identical"] = llamacpp.same_tensors(src, theirs)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"convert_hf_to_gguf.py did not run ({e}); using moeq's BF16 export unchecked")
+        info["converter_tensors_identical"] = None
+    models, rows = {}, {}
+    for spec in specs:
+        qtype, _, pure = spec.partition(":")
+        name = f"llama.cpp {qtype}" + (" --pure" if pure else " (its mix)")
+        t0 = time.perf_counter()
+        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}.gguf", qtype, bool(pure))
+        secs = time.perf_counter() - t0
+        bpw, types = llamacpp.bits_per_weight(out)
+        models[name] = moeq.load(out, dtype=dtype, progress=False)
+        rows[name] = _row(name, secs, bpw, 0) | {"ggml_types": types}
+    return models, rows, info
+
+
 def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
     out = []
     for f in files:
@@ -117,6 +174,8 @@ def main():
     ap.add_argument("--merge", action="store_true", help="update/append these rows in --out instead of rewriting")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="compute dtype of the reference and of every model")
+    ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure]",
+                    help=f"llama.cpp rows (default {' '.join(LLAMACPP_TYPES)}; none when given without types)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -148,6 +207,13 @@ def main():
         secs = time.perf_counter() - t0
         models[name] = m
         rows[name] = _row(name, secs, bpw, n)
+    specs = LLAMACPP_TYPES if args.llamacpp is None else args.llamacpp
+    if args.only is not None:
+        specs = [t for t in specs if f"llama.cpp {t.split(':')[0]}" in " ".join(args.only)]
+    with tempfile.TemporaryDirectory(prefix="moeq-acc-") as work:
+        lc_models, lc_rows, lc_info = llamacpp_models(args.model, specs, dtype, Path(work)) if specs else ({}, {}, {})
+    models.update(lc_models)
+    rows.update(lc_rows)
     res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens)
     for k, r in res.items():
         rows[k].update(r.to_dict())
@@ -160,7 +226,7 @@ def main():
         if base:
             r["kl_vs_vllm_g192"] = r["mean_kl"] / base["mean_kl"]
     out = {"model": args.model, "dtype": args.dtype, "ctx": args.ctx, "tokens": next(iter(res.values())).tokens,
-           "ref_ppl": next(iter(res.values())).ref_ppl, "rows": list(rows.values())}
+           "ref_ppl": next(iter(res.values())).ref_ppl, "llamacpp": lc_info, "rows": list(rows.values())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, out)
     print(f"reference ({args.dtype}) PPL {out['ref_ppl']:.3f} on {out['tokens']} held-out tokens, ctx {args.ctx}\n")

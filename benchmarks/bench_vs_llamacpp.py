@@ -5,10 +5,7 @@ The `moeq bench` model (Qwen3-30B-A3B's layer shapes cut to --layers) is quantiz
 rounds, llama.cpp's `llama-bench` (-t THREADS -p 512 -n 128) and moeq (decode b1 of 128 tokens after a 32-token
 prompt, and a 512-token prefill to the first token) measure the same weights. Writes JSON and prints a table.
 
-llama-bench is found with --llama-bench, or in the cache where this builds it:
-    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d ~/.cache/moeq-llamacpp
-    (untar; in vendor/llama.cpp) cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build -j2 \\
-        --target llama-bench
+llama-bench is found with --llama-bench, or in the cache where benchmarks/llamacpp.py says how to build it.
 Without it the script says so and exits 0.
 """
 from __future__ import annotations
@@ -30,14 +27,8 @@ from moeq import bench  # noqa: E402
 from moeq.export import export  # noqa: E402
 from moeq.io.writer import write_json  # noqa: E402
 
-CACHE = Path.home() / ".cache" / "moeq-llamacpp"
-
-
-def find_llama_bench(given: str | None) -> Path | None:
-    if given:
-        return Path(given)
-    hits = sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"))
-    return hits[-1] if hits else None
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from llamacpp import CACHE, find_tool  # noqa: E402
 
 
 def llama_bench(exe: Path, gguf: Path, threads: int) -> dict:
@@ -64,7 +55,7 @@ def main() -> None:
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_llamacpp.json"))
     args = ap.parse_args()
-    exe = find_llama_bench(args.llama_bench)
+    exe = find_tool("llama-bench", args.llama_bench)
     if exe is None or not exe.exists():
         print("llama-bench not found: build it as this script's docstring says (or pass --llama-bench); skipping")
         return

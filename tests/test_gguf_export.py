@@ -84,7 +84,8 @@ def expected_values(m) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("model_type,method", [
-    ("mixtral", "q4_0"), ("qwen2_moe", "q4_0"), ("qwen3_moe", "q8_0"), ("olmoe", "q4_0"), ("mixtral", "q8_0")])
+    ("mixtral", "q4_0"), ("qwen2_moe", "q4_0"), ("qwen3_moe", "q8_0"), ("olmoe", "q4_0"), ("mixtral", "q8_0"),
+    ("mixtral", "iq4nl"), ("qwen3_moe", "q4_0-opt")])
 def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_path):
     src = tiny_ckpt(model_type, **OVERRIDES.get(model_type, {}))
     m = moeq.load(src, quant=method, progress=False, dtype=torch.float32)
@@ -92,7 +93,7 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
     summary = export(m, out, "gguf", source=src)
     path = out / "model.gguf"
     assert summary["requantized"] == [] and sorted(p.name for p in out.iterdir()) == [MARKER, "model.gguf"]
-    qtype = method.upper()
+    qtype = {"iq4nl": "IQ4_NL", "q4_0-opt": "Q4_0"}.get(method, method.upper())
     types = gguf_types(path)
     assert types["blk.1.ffn_gate_exps.weight"] == types["blk.0.attn_q.weight"] == qtype
     assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["token_embd.weight"] == "F32"
@@ -115,12 +116,17 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
         text = "It is a truth universally acknowledged, that a single man... 42 times!"
         assert llama.tokenize(text) == AutoTokenizer.from_pretrained(src)(text, add_special_tokens=False).input_ids
         mine, my_logits = moeq_greedy(m, PROMPT, 16)
-        assert llama.greedy(PROMPT, 16) == mine
+        theirs_greedy = llama.greedy(PROMPT, 16)
         # teacher-forced: llama.cpp's logits at every step of moeq's sequence are moeq's, up to llama.cpp's 8-bit
         # activation rounding inside its quantized matmuls
         for step in (0, 7, 15):
             theirs = llama.logits(PROMPT + mine[:step])
             assert np.abs(theirs - my_logits[step]).max() < 0.03 * np.abs(my_logits[step]).max()
+        # greedy sequences agree, except from a step where moeq's top two logits lie within that rounding
+        split = next((s for s, (a, b) in enumerate(zip(mine, theirs_greedy)) if a != b), None)
+        if split is not None:
+            top2 = np.sort(my_logits[split])[-2:]
+            assert top2[1] - top2[0] < 0.03 * np.abs(my_logits[split]).max(), (split, mine, theirs_greedy)
     finally:
         llama.close()
 

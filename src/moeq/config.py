@@ -72,10 +72,11 @@ class RTN(FormatConfig):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
-    grid: Literal["vllm", "signed"] = "vllm"
-    search: int = 0  # clip candidates tried per group (0: plain rounding)
+    grid: Literal["vllm", "signed", "iq4nl"] = "vllm"
+    search: int = 0  # clip candidates per group; signed/iq4nl grids: importance-weighted scale search steps
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
+    weighting: Literal["x2", "row", "mse"] = "x2"  # importance of each weight in the signed/iq4nl scale search
     name: ClassVar[str] = "rtn"
 
     def __post_init__(self):
@@ -87,10 +88,16 @@ class RTN(FormatConfig):
         if not rtn.valid_group_size(self.group_size):
             raise MoeqError(f"unsupported RTN group_size {self.group_size}; valid choices: a multiple of 16 up to "
                              "4096 or -1")
+        if self.weighting not in rtn.WEIGHTINGS:
+            raise MoeqError(f"unsupported search weighting {self.weighting!r}; valid choices: {list(rtn.WEIGHTINGS)}")
+        if self.grid in rtn.CODEBOOKS and (self.bits != 4 or not self.symmetric or self.refine or self.hqq):
+            raise MoeqError(f"grid {self.grid!r} is a symmetric 4-bit codebook: bits=4, symmetric, no refine/hqq")
+        if not 0 <= self.search <= 127:
+            raise MoeqError(f"search must be 0..127, got {self.search}")
 
     def quantize(self, w, name=None, slices=None):
         return rtn.quantize(w, self.bits, self.group_size_for(w.shape[-1]), self.symmetric, self.grid, name=name,
-                            search=self.search, refine=self.refine, hqq=self.hqq)
+                            search=self.search, refine=self.refine, hqq=self.hqq, weighting=self.weighting)
 
     def group_size_for(self, k: int) -> int:
         """The group size used on a tensor with last dim ``k``: ``group_size`` when it divides ``k``, else the
@@ -110,6 +117,8 @@ class RTN(FormatConfig):
         kind = "asym" if not self.symmetric else ("" if self.grid == "vllm" else self.grid)
         opt = ((f"-s{self.search}" if self.search else "") + (f"-r{self.refine}" if self.refine else "")
                + (f"-h{self.hqq}" if self.hqq else ""))
+        if self.search and self.symmetric and self.grid != "vllm" and self.weighting != "x2":
+            opt += f"-w{self.weighting}"
         return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}{opt}"
 
 
@@ -178,6 +187,9 @@ METHODS: dict[str, FormatConfig] = {
     "rtn-int8": RTN(8, 128),
     "q4_0": RTN(4, 32, grid="signed"),  # llama.cpp's Q4_0 rounding (d = signed max / -8); GGUF export is lossless
     "q8_0": RTN(8, 32, grid="signed"),  # llama.cpp's Q8_0 blocks; GGUF export is lossless
+    # importance-weighted scale search (native): same Q4_0 blocks, lower error; GGUF export stays lossless
+    "q4_0-opt": RTN(4, 32, grid="signed", search=7),
+    "iq4nl": RTN(4, 32, grid="iq4nl", search=7),  # llama.cpp's IQ4_NL values and search (both signs); lossless GGUF
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),

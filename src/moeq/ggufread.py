@@ -1,8 +1,11 @@
-"""Reading moeq's own GGUF exports back (``moeq.load``, so ``inspect``/``eval``/``generate`` work on them): the
-transformers config travels in the file (``moeq.hf_config``); ``Q4_0``/``Q8_0`` blocks become moeq's symmetric RTN
-weights at group 32 exactly (fp16 block scales, the ``signed`` grid: llama.cpp's arithmetic), other tensors are read as
-stored; Mixtral's q/k row permutation for llama.cpp's RoPE is undone. Tensor names come from the same gguf-py name
-map the exporter writes with. GGUF files from other tools carry no transformers config: use llama.cpp for them."""
+"""Reading moeq's own GGUF exports back (``moeq.load``, so ``inspect``/``eval``/``generate`` work on them), also after
+llama.cpp's ``llama-quantize`` re-typed them (it keeps the metadata): the transformers config travels in the file
+(``moeq.hf_config``). ``Q4_0``/``Q8_0`` blocks become moeq's symmetric RTN weights at group 32 exactly (fp16 block
+scales, the ``signed`` grid: llama.cpp's arithmetic), ``IQ4_NL`` blocks its ``iq4nl`` grid exactly; F32/F16/BF16
+tensors are read as stored, and every other type gguf-py can decode (K-quants, Q4_1/Q5_x, IQ types) is dequantized
+into the compute dtype (the values llama.cpp computes with, rounded once to that dtype). Mixtral's q/k row
+permutation for llama.cpp's RoPE is undone. Tensor names come from the same gguf-py name map the exporter writes
+with. GGUF files from other tools carry no transformers config: use llama.cpp for them."""
 from __future__ import annotations
 
 import json
@@ -18,6 +21,9 @@ from moeq.errors import MoeqError
 from moeq.formats import RTNWeight
 from moeq.load_state import LoadState, compute_dtype, set_tensor
 from moeq.config import QuantConfig
+
+
+PACKED = ("Q4_0", "Q8_0", "IQ4_NL")  # GGML types moeq holds as they are (RTN signed / iq4nl grids, group 32)
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -62,8 +68,10 @@ def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
     return out
 
 
-def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name: str) -> RTNWeight:
-    """Q4_0/Q8_0 block bytes ``[..., N, K/32 * (2 + 32 * bits / 8)]`` -> RTN weight (inverse of ``ggml_blocks``)."""
+def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name: str,
+                     grid: str = "signed") -> RTNWeight:
+    """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32 * bits / 8)]`` -> RTN weight (inverse of
+    ``ggml_blocks``; IQ4_NL: the ``iq4nl`` grid, its nibbles index the same table)."""
     per = 2 + 32 * bits // 8
     b = torch.from_numpy(np.array(blocks, copy=True)).reshape(*shape[:-1], shape[-1] // 32, per)
     d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
@@ -75,7 +83,7 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
         qdata = (qs.contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).flatten(-2)
     scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(torch.float16), d) else d.float()
     return RTNWeight(qdata=qdata.contiguous(), scale=scale.contiguous(), zero=None, bits=bits, group_size=32,
-                     grid="signed", shape=tuple(shape), dtype=torch.bfloat16).validate(name)
+                     grid=grid, shape=tuple(shape), dtype=torch.bfloat16).validate(name)
 
 
 def _check_tiling(file: Path, reader) -> None:
@@ -94,8 +102,9 @@ def _check_tiling(file: Path, reader) -> None:
 
 
 def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
-    from moeq.export.gguf import FAMILIES, Planner  # noqa: PLC0415
+    from moeq.export.gguf import FAMILIES, Planner, gguf_lib  # noqa: PLC0415
 
+    gguf = gguf_lib()
     file = gguf_file(path)
     reader, config = read_config(file)
     if config.model_type not in FAMILIES:
@@ -116,6 +125,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             if base is not None:
                 targets[f"{base}.{pname}"] = ("linear" if isinstance(mod, nn.Linear) else "plain", f"{name}.{pname}")
     _check_tiling(file, reader)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
     seen = set()
     for t in reader.tensors:
         if t.name not in targets:
@@ -128,30 +138,45 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         if fam.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             data = _unpermute(data, heads)
-        per = {"Q4_0": 18, "Q8_0": 34}.get(qtype)
-        want = (math.prod(logical[:-1]) * (logical[-1] // 32) * per if per else math.prod(logical) *
-                {"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0))
-        if not logical or min(logical) <= 0 or (per and logical[-1] % 32) or data.nbytes != want:
+        gtype = gguf.GGMLQuantizationType[qtype]
+        if gtype not in gguf.GGML_QUANT_SIZES:
+            raise MoeqError(f"{file}: tensor {t.name} has GGML type {qtype}, which gguf-py cannot size")
+        block, per = gguf.GGML_QUANT_SIZES[gtype]
+        if not logical or min(logical) <= 0 or logical[-1] % block or (
+                data.nbytes != math.prod(logical[:-1]) * (logical[-1] // block) * per):
             raise MoeqError(f"{file}: tensor {t.name}: {data.nbytes} bytes of {qtype} do not hold shape "
                             f"{list(logical)}")
-        if qtype in ("Q4_0", "Q8_0"):
-            bits = 4 if qtype == "Q4_0" else 8
-            w = _rtn_from_blocks(data, bits, logical, t.name)
+        packed = qtype in PACKED
+        if packed and kind.startswith("experts."):  # a layer's experts are packed only all together (llama.cpp's
+            blk = t.name.split(".ffn_")[0]           # mixes may give down another type than gate/up)
+            gate, up, down = (types.get(f"{blk}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+            packed = gate == up and gate in PACKED and down in PACKED
+        if packed:
+            bits = 8 if qtype == "Q8_0" else 4
+            w = _rtn_from_blocks(data, bits, logical, t.name, "iq4nl" if qtype == "IQ4_NL" else "signed")
             if kind.startswith("experts."):
                 for e in range(logical[0]):
                     state.put_packed(arch.disk_expert_key(hf, e, kind.split(".")[1]) + ".weight", w[e])
             else:
                 state.put_packed(hf, w)
-        elif qtype in ("F32", "F16", "BF16"):
+            continue
+        if qtype in ("F32", "F16", "BF16"):
             arr = torch.from_numpy(np.array(data, copy=True))
             tensor = arr.view(torch.bfloat16) if qtype == "BF16" else arr
-            tensor = tensor.reshape(logical).to(dtype)
-            if kind.startswith("experts."):
-                for e in range(logical[0]):
-                    state.builders[hf].put(e, kind.split(".")[1], tensor[e], t.name)
-                state._build_if_complete(hf)
-            else:
-                set_tensor(model, hf, tensor, t.name)
         else:
-            raise MoeqError(f"{file}: tensor {t.name} has GGML type {qtype}; moeq reads Q4_0, Q8_0, F32, F16, BF16")
+            try:
+                arr = gguf.quants.dequantize(np.ascontiguousarray(data).reshape(-1, data.shape[-1]), gtype)
+            except NotImplementedError:
+                raise MoeqError(f"{file}: tensor {t.name} has GGML type {qtype}, which gguf-py cannot decode"
+                                ) from None
+            tensor = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            if not torch.isfinite(tensor).all():
+                raise MoeqError(f"{file}: tensor {t.name}: its {qtype} blocks decode to non-finite values")
+        tensor = tensor.reshape(logical).to(dtype)
+        if kind.startswith("experts."):
+            for e in range(logical[0]):
+                state.builders[hf].put(e, kind.split(".")[1], tensor[e], t.name)
+            state._build_if_complete(hf)
+        else:
+            set_tensor(model, hf, tensor, t.name)
     return state.finish()

@@ -37,7 +37,8 @@ def test_arch_end_to_end(model_type, tiny_ckpt, tmp_path):
         assert torch.equal(m2(ids).logits, a)
 
 
-@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4-asym", "rtn-int4-signed", "nf4", "fp4", "int8", "rtn-int3"])
+@pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4-asym", "rtn-int4-signed", "nf4", "fp4", "int8", "rtn-int3",
+                                    "iq4nl", "q4_0-opt"])
 def test_formats_in_a_model(method, tiny_ckpt, tmp_path):
     src = tiny_ckpt("qwen2_moe")
     m = moeq.load(src, quant=method, dtype=torch.float32, progress=False)

@@ -13,12 +13,13 @@ from torch import nn
 from moeq.arch import Arch
 from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, write_config
 from moeq.formats import RTNWeight
+from moeq.formats.rtn import CODEBOOKS
 from moeq.io.writer import write_shards
 from moeq.nn import QuantExperts
 from moeq.nn.packed import packed_meta
 from moeq.errors import MoeqError
 
-SUPPORTS = "RTN int4/int8 weights (symmetric or asymmetric, group size or per-row)"
+SUPPORTS = "RTN int4/int8 weights on integer grids (symmetric or asymmetric, group size or per-row)"
 
 
 def weight_args(w: RTNWeight) -> dict:
@@ -31,8 +32,8 @@ def weight_args(w: RTNWeight) -> dict:
 def _check(model: nn.Module, arch: Arch) -> None:
     for name, mod in quantized_modules(model):
         for slot, meta in packed_meta(mod).items():
-            if meta["format"] != "rtn" or meta["bits"] not in (4, 8):
-                what = meta["format"] + (f" {meta['bits']}-bit" if meta["format"] == "rtn" else "")
+            if meta["format"] != "rtn" or meta["bits"] not in (4, 8) or meta["grid"] in CODEBOOKS:
+                what = meta["format"] + (f" {meta['bits']}-bit grid {meta['grid']}" if meta["format"] == "rtn" else "")
                 raise MoeqError(f"{name}.{slot}: {what} has no compressed-tensors pack-quantized form; it takes "
                                  f"{SUPPORTS} (NF4/FP4/LLM.int8 models export with --format bnb)")
         if isinstance(mod, QuantExperts) and mod.b13 is not None:

@@ -93,17 +93,20 @@ def gguf_lib():
 
 # ---------------------------------------------------------------------------------------------- tensor conversion
 def ggml_type(w: PackedWeight) -> str | None:
-    """``Q4_0``/``Q8_0`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
+    """``Q4_0``/``Q8_0``/``IQ4_NL`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
     if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32 or w.bits not in (4, 8):
+        return None
+    if w.grid not in ("vllm", "signed", "iq4nl"):
         return None
     d = w.scale.to(torch.float16)
     if not (torch.isfinite(d).all() and torch.equal(d.to(w.scale.dtype), w.scale)):
         return None  # a scale fp16 cannot hold exactly (tiny/huge, or fp32 scales)
-    return "Q4_0" if w.bits == 4 else "Q8_0"
+    return "IQ4_NL" if w.grid == "iq4nl" else "Q4_0" if w.bits == 4 else "Q8_0"
 
 
 def ggml_blocks(w: RTNWeight) -> torch.Tensor:
-    """Q4_0/Q8_0 block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts."""
+    """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts
+    (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do)."""
     d = w.scale.to(torch.float16)
     blocks = w.codes().unflatten(-1, (-1, 32))  # uint8 codes [..., N, K/32, 32], zero point 2**(bits-1)
     if w.bits == 4:  # ggml: byte j holds element j (low nibble) and element j+16 (high nibble)

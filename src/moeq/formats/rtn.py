@@ -14,7 +14,14 @@ Grids:
   It reconstructs a group's positive max at ~0.933*absmax (4-bit) and never uses code 0.
 - ``"signed"`` (symmetric): ``scale = -signed_absmax / 2**(b-1)``; the largest-magnitude value lands exactly on code 0
   and the step is 2**(b-1)/(2**b-1)*2 = ~6% finer at 4 bits. Same storage; the scale may be negative.
+- ``"iq4nl"`` (4-bit, symmetric): a non-uniform codebook, value = ``scale * IQ4NL[q]`` (llama.cpp's IQ4_NL values,
+  -127..113), no zero point; the GGUF export writes IQ4_NL blocks from it losslessly at group 32.
 - asymmetric (``symmetric=False``): min/max (widened to include 0) over ``2**b-1`` steps with an integer zero point.
+
+Importance-weighted scale search (``search > 0`` on the ``signed`` grid, always on ``iq4nl``; native, see
+``moeq_cb4_search``): per group, the scale minimizing ``sum w (x - d v[q])^2`` over candidate scales, with per-weight
+importance ``w`` from the weights alone (``x^2``, llama.cpp's choice without an importance matrix; ``row``:
+``sigma^2 + x^2``; ``mse``: 1). Its scales are exact in both bf16 and fp16 (lossless GGUF export, bf16 kernels).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import torch
 from moeq.formats.base import (
     PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, expect_tensor, row_chunks, tensor_field,
 )
+from moeq.formats.codebooks import IQ4NL, SIGNED4
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 from moeq.errors import MoeqError
 
@@ -34,7 +42,14 @@ GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up t
 
 def valid_group_size(gs: int) -> bool:
     return gs == -1 or (16 <= gs <= 4096 and gs % 16 == 0)
-GRIDS = ("vllm", "signed")
+GRIDS = ("vllm", "signed", "iq4nl")
+CODEBOOKS = {"iq4nl": IQ4NL}  # grids whose values are a table: value = scale * table[code]
+WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
+
+
+def grid_values(grid: str) -> tuple[int, ...] | None:
+    """The 16 values a 4-bit symmetric grid decodes code 0..15 to, in units of the scale (None: asymmetric)."""
+    return CODEBOOKS.get(grid, SIGNED4 if grid in ("vllm", "signed") else None)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -67,6 +82,8 @@ class RTNWeight(PackedWeight):
                     f"({self.bits}-bit packing)"]
         if self.grid not in (*GRIDS, "asym"):
             return [f"grid {self.grid!r} not in {[*GRIDS, 'asym']}"]
+        if self.grid in CODEBOOKS and self.bits != 4:
+            return [f"grid {self.grid!r} is a 4-bit codebook, not {self.bits}-bit"]
         if (self.grid == "asym") != (self.zero is not None):
             return ["an asymmetric grid needs its zero points" if self.zero is None else
                     f"zero points given for the symmetric grid {self.grid!r}"]
@@ -80,6 +97,8 @@ class RTNWeight(PackedWeight):
         if self.zero is not None and self.zero.numel() and int(self.zero.max()) > maxq:
             out.append(f"zero holds points above {maxq}, the {self.bits}-bit maximum")
         reach = maxq if self.zero is not None else 1 << (self.bits - 1)  # the largest |q - zero|
+        if self.grid in CODEBOOKS:
+            reach = max(abs(v) for v in CODEBOOKS[self.grid])
         return out + bad_stats(self.scale, "scale", torch.finfo(self.dtype).max / reach)
 
     def __getitem__(self, idx: int) -> RTNWeight:
@@ -104,6 +123,12 @@ class RTNWeight(PackedWeight):
         rows, ng = self.numel // k, k // gs
         native.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
                  (self.zero, rows * ng), (out, self.numel * out.element_size()))
+        if self.grid in CODEBOOKS:
+            values = torch.tensor(CODEBOOKS[self.grid], dtype=torch.float32)
+            L.moeq_cb4_dequant(native.ptr(self.qdata), native.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
+                               native.ptr(values), native.i64(rows), native.i64(k), native.i64(gs), native.ptr(out),
+                               int(dtype == torch.bfloat16))
+            return out
         L.moeq_rtn_dequant(native.ptr(self.qdata), native.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
                            native.ptr(self.zero), self.bits, native.i64(self.numel // k), native.i64(k), native.i64(gs),
                            native.ptr(out), int(dtype == torch.bfloat16))
@@ -121,9 +146,12 @@ class RTNWeight(PackedWeight):
         # (q - z) is exact in bf16 and the product is rounded once either way, so bf16 math equals fp32 math here
         cdt = torch.bfloat16 if dtype == self.scale.dtype == torch.bfloat16 else torch.float32
         for a, b in row_chunks(qd.shape[0], k):
-            q = unpack(qd[a:b], self.bits).unflatten(-1, (k // gs, gs)).to(cdt)  # [r, G, gs]
-            z = float(1 << (self.bits - 1)) if zr is None else zr[a:b].to(cdt).unsqueeze(-1)
-            out[a:b] = ((q - z) * sc[a:b].to(cdt).unsqueeze(-1)).flatten(-2)
+            q = unpack(qd[a:b], self.bits).unflatten(-1, (k // gs, gs))  # [r, G, gs]
+            if self.grid in CODEBOOKS:  # table values are integers below 256: exact in bf16
+                v = torch.tensor(CODEBOOKS[self.grid], dtype=cdt, device=q.device)[q.long()]
+            else:
+                v = q.to(cdt) - (float(1 << (self.bits - 1)) if zr is None else zr[a:b].to(cdt).unsqueeze(-1))
+            out[a:b] = (v * sc[a:b].to(cdt).unsqueeze(-1)).flatten(-2)
         return out.reshape(self.shape)
 
 
@@ -149,12 +177,18 @@ def quantize(
     search: int = 0,
     refine: int = 0,
     hqq: int = 0,
+    weighting: str = "x2",
+    importance: torch.Tensor | None = None,
 ) -> RTNWeight:
     """Quantize ``w [..., N, K]`` group-wise along K. ``name`` only labels errors; ``native=False`` forces the
     plain-torch path (the native kernel's ground truth; both give identical bytes). ``search`` (number of clip
     candidates) and ``refine`` (least-squares rounds) turn on the calibration-free improvements of
     :mod:`moeq.formats.search`; ``hqq`` (iterations, asymmetric grids) runs HQQ-style half-quadratic
-    optimization after them. The storage stays the same."""
+    optimization after them. On the ``signed`` grid ``search`` is instead the importance-weighted scale search
+    (``importance``: an optional extra weight per input column, e.g. the preceding norm's scale squared)
+    (``2*search+1`` candidates per sign, weights ``weighting``: see the module docstring); the ``iq4nl`` grid always
+    runs it (``search`` 0: the refit at llama.cpp's starting scale only; llama.cpp's IQ4_NL tries 7). The storage
+    stays the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if not valid_group_size(group_size):
@@ -169,10 +203,26 @@ def quantize(
     _groups(w, group_size, name)  # validates divisibility
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
-    if (search or refine) and symmetric and grid != "vllm":
-        raise MoeqError("search/refine work on the 'vllm' symmetric grid or asymmetric grids, not grid='signed'")
+    if grid in CODEBOOKS and (bits != 4 or not symmetric):
+        raise MoeqError(f"grid {grid!r} is a symmetric 4-bit codebook: use bits=4, symmetric=True")
+    if weighting not in WEIGHTINGS:
+        raise choice_error("search weighting", weighting, tuple(WEIGHTINGS))
+    if importance is not None:
+        importance = importance.detach().float().contiguous().cpu()
+        if importance.shape != (w.shape[-1],) or not bool(torch.isfinite(importance).all() & (importance >= 0).all()):
+            raise MoeqError(f"tensor {name or '<unnamed>'}: importance must be {w.shape[-1]} finite values >= 0, got "
+                            f"shape {tuple(importance.shape)}")
+    if refine and symmetric and grid != "vllm":
+        raise MoeqError(f"refine works on the 'vllm' symmetric grid or asymmetric grids, not grid={grid!r}")
     if hqq and symmetric:
         raise MoeqError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
+    if symmetric and bits == 4 and (grid in CODEBOOKS or (grid == "signed" and search)):
+        q = _codebook_search(w, grid, gs, search, weighting, group_size, name, importance, native)
+        if not torch.isfinite(q.scale).all():  # the kernel marks groups holding NaN/Inf
+            check_finite(w, name)
+        return check_result(q, w, name)
+    if search and symmetric and grid != "vllm":
+        raise MoeqError(f"search on grid={grid!r} is the 4-bit codebook search; {bits}-bit has none")
     if (native and not (search or refine or hqq) and (grid == "vllm" or not symmetric) and bits in (4, 8)
             and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
         native = _quantize_native(w, bits, gs, symmetric)
@@ -269,3 +319,37 @@ def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):
         s = torch.where(s == 0, 1.0, s)
         q = ((g.float() / s).round() + half).clamp(0, maxq)
     return q.to(torch.uint8), scale.squeeze(-1), zero
+
+
+def _codebook_search(w: torch.Tensor, grid: str, gs: int, ntry: int, weighting: str, group_size: int,
+                     name: str | None, importance: torch.Tensor | None = None, native_ok: bool = True) -> RTNWeight:
+    """4-bit symmetric codebook grids (``iq4nl``, ``signed``) through the importance-weighted scale search: native
+    (``moeq_cb4_search``), else its plain-torch twin :func:`moeq.formats.search.codebook_search`."""
+    from moeq import native  # noqa: PLC0415
+
+    k = w.shape[-1]
+    values = torch.tensor(grid_values(grid), dtype=torch.float32)
+    wc = w.contiguous()
+    L = native.lib() if w.device.type == "cpu" and native_ok else None
+    if L is not None and wc.dtype in (torch.bfloat16, torch.float32) and gs % 16 == 0 and native.usable(wc):
+        rows = wc.numel() // k
+        qdata = torch.empty(*w.shape[:-1], k // 2, dtype=torch.uint8)
+        scale = torch.empty(*w.shape[:-1], k // gs, dtype=torch.bfloat16)
+        L.moeq_cb4_search(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs),
+                          native.ptr(values), int(ntry), WEIGHTINGS[weighting], native.ptr(importance), native.ptr(qdata),
+                          native.ptr(scale))
+    else:
+        from moeq.formats.search import codebook_search  # noqa: PLC0415
+
+        check_finite(w, name)
+        rows = wc.reshape(-1, k)
+        qdata = torch.empty(rows.shape[0], k // 2, dtype=torch.uint8, device=w.device)
+        scale = torch.empty(rows.shape[0], k // gs, dtype=torch.bfloat16, device=w.device)
+        for a, b in row_chunks(rows.shape[0], k):
+            q, s = codebook_search(rows[a:b].float(), gs, values.to(w.device), ntry, WEIGHTINGS[weighting],
+                                   None if importance is None else importance.to(w.device))
+            qdata[a:b] = pack(q, 4)
+            scale[a:b] = s
+        qdata, scale = qdata.reshape(*w.shape[:-1], -1), scale.reshape(*w.shape[:-1], -1)
+    return RTNWeight(qdata=qdata, scale=scale.to(w.dtype), zero=None, bits=4, group_size=group_size, grid=grid,
+                     shape=tuple(w.shape), dtype=w.dtype)

@@ -132,3 +132,57 @@ def bnb4_absmax_search(blocks: torch.Tensor, absmax: torch.Tensor, code_sorted: 
         better = e < best_e
         best, best_e = torch.where(better, am, best), torch.minimum(e, best_e)
     return best
+
+
+def codebook_search(rows: torch.Tensor, gs: int, values: torch.Tensor, ntry: int, weighting: int,
+                    colw: torch.Tensor | None = None):
+    """Plain-torch twin of ``moeq_cb4_search`` (the native library's importance-weighted scale search for 4-bit
+    codebook grids; see its comment): ``rows [R, K]`` fp32 -> (codes uint8 ``[R, K]``, bf16 scales ``[R, K/gs]``,
+    exact in fp16 too). Same candidates, criterion and rounding; sums may differ in the last bits (order)."""
+    r, k = rows.shape
+    g = rows.view(r, k // gs, gs)
+    mid = (values[:-1] + values[1:]) / 2
+    if weighting == 0:
+        wt = torch.ones_like(g)
+    elif weighting == 1:
+        wt = g * g
+    else:
+        wt = (rows * rows).mean(-1).view(r, 1, 1) + g * g
+    if colw is not None:
+        wt = wt * colw.view(1, k // gs, gs)
+    idx = g.abs().argmax(-1, keepdim=True)
+    mx = g.gather(-1, idx)
+    safe_mx = torch.where(mx == 0, torch.ones_like(mx), mx)
+
+    def codes(id_):
+        return torch.bucketize((g * id_).contiguous(), mid)
+
+    best = torch.full_like(mx, -1.0)
+    d = torch.zeros_like(mx)
+    best_q = torch.zeros(g.shape, dtype=torch.int64, device=g.device)
+    v0 = float(values[0])
+    for s in (1.0, -1.0):
+        for t in range(-ntry, ntry + 1):
+            id_ = s * v0 * (1.0 - t / 127.0) / safe_mx
+            q = codes(id_)
+            v = values[q]
+            sqx, sq2 = (wt * v * g).sum(-1, keepdim=True), (wt * v * v).sum(-1, keepdim=True)
+            better = (sq2 > 0) & (sqx * sqx > best * sq2)
+            dn = torch.where(better, sqx / torch.where(sq2 > 0, sq2, torch.ones_like(sq2)), d)
+            best = torch.where(better, dn * sqx, best)
+            d, best_q = dn, torch.where(better, q, best_q)
+    none = best < 0  # every weight 0: plain max mapping
+    d = torch.where(none, mx / v0, d)
+    best_q = torch.where(none, codes(torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)), best_q)
+    ds = d.to(torch.bfloat16).to(torch.float16).float()
+    q2 = codes(torch.where(ds != 0, 1 / torch.where(ds != 0, ds, torch.ones_like(ds)), torch.zeros_like(ds)))
+
+    def err(q):
+        return (wt * (g - ds * values[q]).pow(2)).sum(-1, keepdim=True)
+
+    q = torch.where(err(q2) <= err(best_q), q2, best_q)
+    zero = mx == 0
+    zi = int(values.abs().argmin())
+    q = torch.where(zero, torch.full_like(q, zi), q)
+    ds = torch.where(zero, torch.zeros_like(ds), ds)
+    return q.to(torch.uint8).view(r, k), ds.squeeze(-1).to(torch.bfloat16)

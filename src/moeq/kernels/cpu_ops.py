@@ -11,7 +11,8 @@ import torch
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq import native
 from moeq.kernels.registry import register
-from moeq.kernels.moe_cpu import describe
+from moeq.formats.rtn import CODEBOOKS
+from moeq.kernels.moe_cpu import codebook_tables, describe
 from moeq.native import Fmt
 
 MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
@@ -63,6 +64,8 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
     native.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)))
+    if w.grid in CODEBOOKS:
+        return _codebook_gemv(L, w, x, m, n, k, gs, bias)
     if x.dtype == torch.bfloat16 and gs % 32 == 0 and native.has_dpbf16():  # AVX512-BF16 dot products
         xb = x.reshape(m, k).contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
@@ -86,6 +89,24 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     L.moeq_rtn_gemv(native.ptr(xe), native.ptr(xo), native.ptr(xsum), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale),
                     int(w.scale.dtype == torch.bfloat16), native.ptr(w.zero), w.bits, native.i64(n), native.i64(k), native.i64(gs),
                     native.ptr(y))
+    return _finish(y, x, n, bias)
+
+
+def _codebook_gemv(L, w: RTNWeight, x: torch.Tensor, m: int, n: int, k: int, gs: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """4-bit codebook grids (value = scale * table[code]): AVX512-BF16 dot products on bf16 activations in 64-chunks
+    (gs 32 or a multiple of 64), else the fp32 kernel."""
+    values, lut = codebook_tables(w.grid)
+    y = torch.empty(m, n, dtype=torch.float32)
+    sb = int(w.scale.dtype == torch.bfloat16)
+    if x.dtype == torch.bfloat16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0) and native.has_dpbf16():
+        xb = _perm64(x.reshape(m, k).contiguous())
+        if L.moeq_cb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, native.ptr(lut),
+                                native.i64(n), native.i64(k), native.i64(gs), native.ptr(y)):
+            return _finish(y, x, n, bias)
+    xf = x.reshape(m, k).float().contiguous()
+    L.moeq_cb4_gemv(native.ptr(xf), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, native.ptr(values),
+                    native.i64(n), native.i64(k), native.i64(gs), native.ptr(y))
     return _finish(y, x, n, bias)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from moeq import native
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
+from moeq.formats.rtn import CODEBOOKS
 from moeq.kernels.registry import by_format
 from moeq.native import Fmt, WStack
 
@@ -40,9 +42,21 @@ def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bo
     ng = e * n * (k // gs)
     native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
     keep += [w.qdata, w.scale, w.zero]
+    values = lut = None
+    if w.grid in CODEBOOKS:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k
+        values, lut = codebook_tables(w.grid)
+        keep += [values, lut]
+        dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0)
     return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
                   scale_bf16=int(w.scale.dtype == torch.bfloat16), absmax_u8=0, zero=native.ptr(w.zero),
-                  bits=w.bits, gs=gs, spe=1, N=n, K=k)
+                  bits=w.bits, gs=gs, spe=1, N=n, K=k, values=native.ptr(values), lut=native.ptr(lut))
+
+
+@functools.cache
+def codebook_tables(grid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A codebook grid's 16 values (fp32) and, for the AVX512-BF16 kernels, as bf16 words twice (32 x int16)."""
+    values = torch.tensor(CODEBOOKS[grid], dtype=torch.float32)
+    return values, values.to(torch.bfloat16).view(torch.int16).repeat(2).contiguous()
 
 
 @describer("bnb4")

@@ -61,7 +61,7 @@ def kernel_layout(w: PackedWeight) -> KernelWeight | None:
 
 @layout("rtn")
 def _layout_rtn(w: RTNWeight, e: int, n: int, k: int) -> KernelWeight | None:
-    if w.bits not in (4, 8) or k % 2:
+    if w.bits not in (4, 8) or k % 2 or w.grid == "iq4nl":  # codebook grids: dequantize + matmul on GPU
         return None
     gs = k if w.group_size == -1 else w.group_size
     q = w.qdata.reshape(e, n, -1)

@@ -20,7 +20,17 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
-    if (w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->dot_bf16) {
+    if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 4-bit codebook grid
+        const i64 G = K / w->gs;
+        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        if (w->dot_bf16) {  // the describer sets it only for K % 64 == 0, gs 32 or a multiple of 64
+            uint16_t* xb = (uint16_t*)scratch;
+            float* xs = scratch + m * K;
+            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 1, xb + r * K, xs + r * G);
+            if (moeq_cb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), sc, w->scale_bf16, w->lut, N, K, w->gs, y)) return;
+        }
+        moeq_cb4_gemv(x, m, w->q + e * (N * K / 2), sc, w->scale_bf16, w->values, N, K, w->gs, y);
+    } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->dot_bf16) {
         const i64 G = K / w->gs;
         uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
         float* xs = scratch + m * K;
@@ -146,9 +156,13 @@ static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, con
 #pragma omp for schedule(static)
     for (i64 t = 0; t < A * N; t++) {
         const i64 a = t / N, n = t % N, e = act[a];
-        y[a * 8 * N + n] = rtn4_row1_p64(xb + a * 8 * K, xs + a * 8 * G, w->q + e * (N * K / 2),
-                                         (const char*)w->scale + e * N * G * sb, w->scale_bf16,
-                                         w->zero ? w->zero + e * N * G : NULL, n, K, w->gs);
+        if (w->lut)
+            cb4_row_bf16(xb + a * 8 * K, 1, w->q + e * (N * K / 2), (const char*)w->scale + e * N * G * sb,
+                         w->scale_bf16, w->lut, n, K, w->gs, y + a * 8 * N + n);
+        else
+            y[a * 8 * N + n] = rtn4_row1_p64(xb + a * 8 * K, xs + a * 8 * G, w->q + e * (N * K / 2),
+                                             (const char*)w->scale + e * N * G * sb, w->scale_bf16,
+                                             w->zero ? w->zero + e * N * G : NULL, n, K, w->gs);
     }
 }
 
@@ -203,7 +217,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     for (i64 e = 0; e < E; e++)
         if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
     const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
-    const int p13 = w13->gs % 64 == 0, p2 = w2->gs % 64 == 0;
+    const int p13 = w13->gs % 64 == 0 || w13->lut, p2 = w2->gs % 64 == 0 || w2->lut;  // codebook: K % 64 == 0
     uint16_t* xb = (uint16_t*)scratch;                  // [A, 8, H] bf16
     float* xs = scratch + A * 8 * H / 2;                // [A, 8, G1]
     float* h = xs + A * 8 * G1;                         // [A, 8, 2I]
@@ -235,7 +249,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const uint16_t* xa = xb + a * 8 * H;
         const float* xsa = xs + a * 8 * G1;
 #if defined(__AVX512BF16__)
-        rtn4_row_bf16(p13, xa, xsa, m, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt);
+        if (w13->lut) cb4_row_bf16(xa, m, q, sc, w13->scale_bf16, w13->lut, n, H, w13->gs, o);
+        else rtn4_row_bf16(p13, xa, xsa, m, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt);
 #endif
         for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
     }
@@ -257,7 +272,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
         const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
 #if defined(__AVX512BF16__)
-        rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * G2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
+        if (w2->lut) cb4_row_bf16(ab + a * 8 * I, m, q, sc, w2->scale_bf16, w2->lut, n, I, w2->gs, o);
+        else rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * G2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
 #endif
         for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
     }

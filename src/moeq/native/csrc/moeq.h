@@ -3,7 +3,8 @@
 // struct there (Fmt, WStack); keep the three in step.
 //
 // Layouts (row-major, rows = output features N, K = input features):
-//   rtn:  q uint8 [N, K/2] (4-bit, even k in the LOW nibble) or [N, K] (8-bit); scale [N, K/gs]; zero uint8|NULL
+//   rtn:  q uint8 [N, K/2] (4-bit, even k in the LOW nibble) or [N, K] (8-bit); scale [N, K/gs]; zero uint8|NULL;
+//         4-bit codebook grids (iq4nl): value = scale * values[code], no zero
 //   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
 //   int8: w int8 [N, K], scb fp32 [N]
 #ifndef MOEQ_H
@@ -80,6 +81,8 @@ typedef struct {
     const float* nested_code;    // bnb4 double quant: [256]
     i64 spe;                     // bnb4 slices per expert
     i64 N, K;                    // one expert's weight shape
+    const float* values;         // RTN 4-bit codebook grid: the 16 values (value = scale * values[code]) or NULL
+    const uint16_t* lut;         // ... and as bf16 twice (32 words), for the AVX512-BF16 kernels
 } moeq_wstack;
 
 // ---- exports (quants.c) ----
@@ -95,6 +98,10 @@ void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* 
                        int out_bf16);
 void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, const float* nested_code,
                               const float* offset, i64 S, i64 nb, float* out);
+void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int ntry, int weighting,
+                     const float* colw, uint8_t* q, uint16_t* scale);
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, i64 rows, i64 K,
+                      i64 gs, void* out, int out_bf16);
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
 // ---- exports (gemv.c) ----
 int moeq_has_dpbf16(void);
@@ -109,6 +116,10 @@ int moeq_bnb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* packed, const 
                         i64 N, i64 K, i64 bs, float* y);
 void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
                     const float* code, i64 N, i64 K, i64 bs, float* y);
+int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+                       const uint16_t* lut, i64 N, i64 K, i64 gs, float* y);
+void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
+                   i64 N, i64 K, i64 gs, float* y);
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
 // ---- exports (moe.c) ----
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,

@@ -297,3 +297,386 @@ void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, cons
             out[s * nb + b] = nested_code[q[s * nb + b]] * nested_absmax[s * nn + b / 256] + offset[s];
 }
 
+
+// ---------------------------------------------------------------- 4-bit codebook (iq4nl / signed) --------------
+// value = scale * values[code], 16 values sorted ascending, one scale per group, no zero point: llama.cpp's IQ4_NL
+// (values kvalues_iq4nl) and Q4_0 (values -8..7) blocks. Codes pack two per byte, even element in the LOW nibble.
+
+// The nearest value's index for each y (ties to the lower index): a 4-step binary search over the 15 midpoints.
+static inline __attribute__((unused)) int cb4_nearest(const float* mid, float y) {
+    int i = 0;
+    for (int step = 8; step; step >>= 1)
+        if (y > mid[i + step - 1]) i += step;
+    return i;
+}
+
+#if defined(__AVX512F__)
+// The nearest index for 16 values at once. Fast form (when every gap between midpoints exceeds the bucket width):
+// 32 buckets of width w from lo = mid[0] - w/2, w = (mid[14] - mid[0]) / 30, hold at most one midpoint each;
+// index = base[bucket] + (y > that midpoint): two 32-entry table lookups instead of a 4-step binary search.
+typedef struct { int fast; __m512 midv, bm0, bm1; __m512i base0, base1; float lo, inv_w; } cb4_index;
+
+static void cb4_index_init(cb4_index* ix, const float* mid) {
+    ix->midv = _mm512_loadu_ps(mid);
+    const float w = (mid[14] - mid[0]) / 30.f;
+    ix->fast = w > 0.f;
+    for (int j = 0; j < 14; j++) ix->fast &= mid[j + 1] - mid[j] > 1.01f * w;
+    if (!ix->fast) return;
+    ix->lo = mid[0] - 0.5f * w;
+    ix->inv_w = 1.f / w;
+    int32_t base[32];
+    float bm[32];
+    for (int b = 0; b < 32; b++) {
+        const float start = ix->lo + (float)b * w, end = start + w;
+        base[b] = 0;
+        bm[b] = INFINITY;
+        for (int j = 0; j < 15; j++) {
+            base[b] += mid[j] < start;
+            if (mid[j] >= start && mid[j] < end) bm[b] = mid[j];
+        }
+    }
+    ix->base0 = _mm512_loadu_si512(base);
+    ix->base1 = _mm512_loadu_si512(base + 16);
+    ix->bm0 = _mm512_loadu_ps(bm);
+    ix->bm1 = _mm512_loadu_ps(bm + 16);
+}
+
+static inline __m512i cb4_nearest16(const cb4_index* ix, __m512 y) {
+    if (ix->fast) {
+        __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(ix->lo)), _mm512_set1_ps(ix->inv_w)));
+        b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(31));
+        const __m512i i = _mm512_permutex2var_epi32(ix->base0, b, ix->base1);
+        const __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(ix->bm0, b, ix->bm1), _CMP_GT_OQ);
+        return _mm512_mask_add_epi32(i, up, i, _mm512_set1_epi32(1));
+    }
+    __m512i i = _mm512_setzero_si512();
+    for (int step = 8; step; step >>= 1) {
+        const __m512i probe = _mm512_add_epi32(i, _mm512_set1_epi32(step - 1));
+        const __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(probe, ix->midv), _CMP_GT_OQ);
+        i = _mm512_mask_add_epi32(i, up, i, _mm512_set1_epi32(step));
+    }
+    return i;
+}
+#endif
+
+// sum w*v[L]*x and sum w*v[L]^2 for the codes L nearest x*id (written to L when L != NULL); scalar form.
+static inline __attribute__((unused)) void cb4_sums(const float* x, const float* wt, i64 n, const float* values, const float* mid, float id,
+                            float* sqx, float* sq2, uint8_t* L) {
+    float a = 0.f, b = 0.f;
+    for (i64 k = 0; k < n; k++) {
+        const int i = cb4_nearest(mid, x[k] * id);
+        a += wt[k] * values[i] * x[k];
+        b += wt[k] * values[i] * values[i];
+        if (L) L[k] = (uint8_t)i;
+    }
+    *sqx = a;
+    *sq2 = b;
+}
+
+static inline __attribute__((unused)) float cb4_err(const float* x, const float* wt, i64 n, const float* values, const uint8_t* L, float d) {
+    float e = 0.f;
+    for (i64 k = 0; k < n; k++) {
+        const float r = x[k] - d * values[L[k]];
+        e += wt[k] * r * r;
+    }
+    return e;
+}
+
+static inline float f16_round(float f) {  // round to the nearest fp16 value (ties to even; overflow: +-inf)
+    const float a = fabsf(f);
+    if (a == 0.f || !(a < INFINITY)) return f;
+    int e;
+    frexpf(a, &e);  // a = m 2^e, m in [0.5, 1): fp16 keeps 11 significant bits, subnormals a 2^-24 step
+    const float ulp = ldexpf(1.f, e - 11 > -24 ? e - 11 : -24);
+    const float r = rintf(a / ulp) * ulp;
+    return copysignf(r > 65504.f ? INFINITY : r, f);
+}
+
+static inline float cb4_store_scale(float d) { return f16_round(bf2f(f2bf_finite(d))); }  // exact in bf16 and fp16
+
+static inline float cb4_weight(int weighting, float x, float sigma2) {
+    return weighting == 0 ? 1.f : weighting == 1 ? x * x : sigma2 + x * x;
+}
+
+#if defined(__AVX512F__)
+// 16 consecutive groups b0..b0+nl-1 at once, one per lane (x transposed: xt[k * 16 + lane], gathered from the
+// source), so no horizontal sums and independent chains; writes their scales and packed codes. xt, wt: gs * 16
+// floats; codes: gs * 32 bytes.
+static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, const float* sig, int weighting,
+                        const float* colw,
+                        const float* values, const cb4_index* ix, int ntry, int zi, float* xt, float* wt,
+                        uint8_t* codes, uint8_t* q, uint16_t* scale) {
+    const __m512 zero = _mm512_setzero_ps(), tab = _mm512_loadu_ps(values);
+    const __mmask16 in = nl == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nl) - 1);
+    const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)gs));
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    __m512 amax = zero;
+    __mmask16 bad = 0;
+    for (i64 k = 0; k < gs; k++) {
+        __m512 x;
+        if (bf16) {  // 32-bit gathers of aligned element pairs (never past the tensor), the wanted half shifted up
+            const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in,
+                _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k & ~(i64)1))), (const uint16_t*)w + b0 * gs, 2);
+            x = _mm512_castsi512_ps(k & 1 ? _mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u))
+                                          : _mm512_slli_epi32(h, 16));
+        } else {
+            x = _mm512_mask_i32gather_ps(zero, in, _mm512_add_epi32(lane, _mm512_set1_epi32((int)k)),
+                                         (const float*)w + b0 * gs, 4);
+        }
+        _mm512_storeu_ps(xt + k * 16, x);
+        const __m512 ax = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
+        bad |= _mm512_cmp_ps_mask(ax, _mm512_set1_ps(3.402823466e38f), _CMP_NLE_UQ);
+        amax = _mm512_max_ps(amax, ax);
+    }
+    __m512 mxv = zero;
+    __mmask16 found = bad;
+    const __m512 s2 = _mm512_maskz_loadu_ps(in, sig);
+    __m512i col = _mm512_setzero_si512();  // each lane's first input column (colw: importance per column)
+    if (colw) {
+        int32_t c0[16] = {0};
+        for (int l = 0; l < nl; l++) c0[l] = (int32_t)(((b0 + l) % G) * gs);
+        col = _mm512_loadu_si512(c0);
+    }
+    for (i64 k = 0; k < gs; k++) {
+        __m512 x = _mm512_loadu_ps(xt + k * 16);
+        if (bad) {
+            x = _mm512_maskz_mov_ps((__mmask16)~bad, x);
+            _mm512_storeu_ps(xt + k * 16, x);
+        }
+        const __m512 ax = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
+        const __mmask16 m = _mm512_cmp_ps_mask(ax, amax, _CMP_EQ_OQ) & (__mmask16)~found;
+        mxv = _mm512_mask_mov_ps(mxv, m, x);
+        found |= m;
+        const __m512 x2 = _mm512_mul_ps(x, x);
+        __m512 wk = weighting == 0 ? _mm512_set1_ps(1.f) : weighting == 1 ? x2 : _mm512_add_ps(s2, x2);
+        if (colw)
+            wk = _mm512_mul_ps(wk, _mm512_mask_i32gather_ps(zero, in, _mm512_add_epi32(col, _mm512_set1_epi32((int)k)),
+                                                            colw, 4));
+        _mm512_storeu_ps(wt + k * 16, wk);
+    }
+    const __mmask16 live = _mm512_cmp_ps_mask(mxv, zero, _CMP_NEQ_OQ);
+    const __m512 safe = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), mxv);
+    __m512 best = _mm512_set1_ps(-1.f), d = zero, bid = zero;
+    // the tables in registers, the loop over k unrolled by two with separate accumulators (latency-bound otherwise)
+    const __m512 lo = _mm512_set1_ps(ix->lo), inv_w = _mm512_set1_ps(ix->inv_w), bm0 = ix->bm0, bm1 = ix->bm1;
+    const __m512i base0 = ix->base0, base1 = ix->base1, one = _mm512_set1_epi32(1), b31 = _mm512_set1_epi32(31);
+    const __m512i z0 = _mm512_setzero_si512();
+#define CB4_FAST(y, out) do { \
+        __m512i bk_ = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps((y), lo), inv_w)); \
+        bk_ = _mm512_min_epi32(_mm512_max_epi32(bk_, z0), b31); \
+        const __m512i i_ = _mm512_permutex2var_epi32(base0, bk_, base1); \
+        out = _mm512_mask_add_epi32(i_, _mm512_cmp_ps_mask((y), _mm512_permutex2var_ps(bm0, bk_, bm1), _CMP_GT_OQ), \
+                                    i_, one); \
+    } while (0)
+    for (int s = 1; s >= -1; s -= 2)
+        for (int t = -ntry; t <= ntry; t++) {
+            const __m512 idv = _mm512_maskz_div_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), safe);
+            __m512 a0 = zero, b0v = zero, a1 = zero, b1v = zero;
+            i64 k = 0;
+            if (ix->fast) {
+                for (; k + 2 <= gs; k += 2) {
+                    const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
+                    const __m512 y0 = _mm512_mul_ps(x0, idv), y1 = _mm512_mul_ps(x1, idv);
+                    __m512i i0, i1;
+                    CB4_FAST(y0, i0);
+                    CB4_FAST(y1, i1);
+                    const __m512 v0 = _mm512_permutexvar_ps(i0, tab), v1 = _mm512_permutexvar_ps(i1, tab);
+                    const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
+                    const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
+                    a0 = _mm512_fmadd_ps(w0, x0, a0);
+                    b0v = _mm512_fmadd_ps(w0, v0, b0v);
+                    a1 = _mm512_fmadd_ps(w1, x1, a1);
+                    b1v = _mm512_fmadd_ps(w1, v1, b1v);
+                }
+            }
+            for (; k < gs; k++) {
+                const __m512 xv = _mm512_loadu_ps(xt + k * 16);
+                const __m512 v = _mm512_permutexvar_ps(cb4_nearest16(ix, _mm512_mul_ps(xv, idv)), tab);
+                const __m512 wv = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v);
+                a0 = _mm512_fmadd_ps(wv, xv, a0);
+                b0v = _mm512_fmadd_ps(wv, v, b0v);
+            }
+            const __m512 a = _mm512_add_ps(a0, a1), b = _mm512_add_ps(b0v, b1v);
+            const __mmask16 up = _mm512_cmp_ps_mask(b, zero, _CMP_GT_OQ) &
+                                 _mm512_cmp_ps_mask(_mm512_mul_ps(a, a), _mm512_mul_ps(best, b), _CMP_GT_OQ);
+            d = _mm512_mask_div_ps(d, up, a, b);
+            best = _mm512_mask_mul_ps(best, up, d, a);
+            bid = _mm512_mask_mov_ps(bid, up, idv);
+        }
+#undef CB4_FAST
+    float dl[16], bl[16], idl[16], ds[16], mx[16];
+    _mm512_storeu_ps(dl, d);
+    _mm512_storeu_ps(bl, best);
+    _mm512_storeu_ps(idl, bid);
+    _mm512_storeu_ps(mx, mxv);
+    for (int l = 0; l < 16; l++) {
+        if (bl[l] < 0.f) {  // every weight 0 (x^2 underflowed) or an all-zero group: plain max mapping
+            dl[l] = mx[l] / values[0];
+            idl[l] = dl[l] != 0.f ? 1.f / dl[l] : 0.f;
+        }
+        ds[l] = cb4_store_scale(dl[l]);
+    }
+    // the codes at the winning candidate vs re-rounded to the stored scale: the lower weighted error per lane
+    const __m512 dsv = _mm512_loadu_ps(ds), id1 = _mm512_loadu_ps(idl);
+    const __m512 id2 = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dsv, zero, _CMP_NEQ_OQ), _mm512_set1_ps(1.f), dsv);
+    __m512 e1 = zero, e2 = zero;
+    for (i64 k = 0; k < gs; k++) {
+        const __m512 xv = _mm512_loadu_ps(xt + k * 16), wv = _mm512_loadu_ps(wt + k * 16);
+        const __m512i i1 = cb4_nearest16(ix, _mm512_mul_ps(xv, id1)), i2 = cb4_nearest16(ix, _mm512_mul_ps(xv, id2));
+        const __m512 r1 = _mm512_fnmadd_ps(dsv, _mm512_permutexvar_ps(i1, tab), xv);
+        const __m512 r2 = _mm512_fnmadd_ps(dsv, _mm512_permutexvar_ps(i2, tab), xv);
+        e1 = _mm512_fmadd_ps(_mm512_mul_ps(wv, r1), r1, e1);
+        e2 = _mm512_fmadd_ps(_mm512_mul_ps(wv, r2), r2, e2);
+        _mm_storeu_si128((__m128i*)(codes + k * 16), _mm512_cvtepi32_epi8(i1));
+        _mm_storeu_si128((__m128i*)(codes + (gs + k) * 16), _mm512_cvtepi32_epi8(i2));
+    }
+    const __mmask16 take2 = _mm512_cmp_ps_mask(e2, e1, _CMP_LE_OQ);
+    const __mmask16 dead = bad | (__mmask16)~live;  // all-zero or non-finite groups: code zi everywhere
+    const __m128i zc = _mm_set1_epi8((char)zi);
+    for (i64 j = 0; j < gs / 2; j++) {  // packed pairs [j][lane], then written out per lane
+        __m128i c0 = _mm_mask_blend_epi8(take2, _mm_loadu_si128((const __m128i*)(codes + 2 * j * 16)),
+                                         _mm_loadu_si128((const __m128i*)(codes + (gs + 2 * j) * 16)));
+        __m128i c1 = _mm_mask_blend_epi8(take2, _mm_loadu_si128((const __m128i*)(codes + (2 * j + 1) * 16)),
+                                         _mm_loadu_si128((const __m128i*)(codes + (gs + 2 * j + 1) * 16)));
+        c0 = _mm_mask_blend_epi8(dead, c0, zc);
+        c1 = _mm_mask_blend_epi8(dead, c1, zc);
+        _mm_storeu_si128((__m128i*)(codes + j * 16), _mm_or_si128(c0, _mm_slli_epi16(c1, 4)));
+    }
+    for (int l = 0; l < nl; l++) {
+        uint8_t* o = q + (b0 + l) * (gs / 2);
+        for (i64 j = 0; j < gs / 2; j++) o[j] = codes[j * 16 + l];
+        scale[b0 + l] = (bad >> l) & 1 ? (uint16_t)0x7fc0 : (live >> l) & 1 ? f2bf_finite(ds[l]) : 0;
+    }
+    (void)G;
+}
+#else
+// One group (the scalar form of cb4_search16).
+static void cb4_search1(const float* x, const float* wt, i64 gs, const float* values, const float* mid, int ntry,
+                        float mx, float* dout, uint8_t* L, uint8_t* Lb) {
+    float best = -1.f, d = 0.f, sqx, sq2;
+    for (int s = 1; s >= -1; s -= 2)
+        for (int t = -ntry; t <= ntry; t++) {
+            const float id = mx != 0.f ? (float)s * values[0] * (1.f - (float)t / 127.f) / mx : 0.f;
+            cb4_sums(x, wt, gs, values, mid, id, &sqx, &sq2, L);
+            if (sq2 > 0.f && sqx * sqx > best * sq2) {
+                d = sqx / sq2;
+                best = d * sqx;
+                memcpy(Lb, L, (size_t)gs);
+            }
+        }
+    if (best < 0.f) {
+        d = mx / values[0];
+        cb4_sums(x, wt, gs, values, mid, d != 0.f ? 1.f / d : 0.f, &sqx, &sq2, Lb);
+    }
+    const float ds = cb4_store_scale(d);
+    cb4_sums(x, wt, gs, values, mid, ds != 0.f ? 1.f / ds : 0.f, &sqx, &sq2, L);
+    if (cb4_err(x, wt, gs, values, Lb, ds) < cb4_err(x, wt, gs, values, L, ds)) memcpy(L, Lb, (size_t)gs);
+    *dout = ds;
+}
+#endif
+
+// Per group: the scale minimizing sum w (x - d v[L])^2 over candidate inverse scales id = s v0 (1 - t/127) / max,
+// s = +-1, t = -ntry..ntry (llama.cpp's quantize_row_iq4_nl_impl search, over both signs), d refit by least squares
+// per candidate; the winner's d rounded to a value exact in both bf16 and fp16 (stored bf16, exported fp16), then its
+// codes re-rounded to that d when that lowers the weighted error. Weights: 0 uniform, 1 x^2 (llama.cpp without an
+// importance matrix), 2 sigma2 + x^2 (sigma2 = the row's mean square); times colw[k] per input column k when colw
+// is given (>= 0, finite: e.g. the preceding norm's scale squared). A group holding NaN/Inf gets a NaN scale.
+// gs <= 4096 (16 <= gs and gs % 16 == 0 for the AVX512 form).
+void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int ntry, int weighting,
+                     const float* colw, uint8_t* q, uint16_t* scale) {
+    const i64 G = K / gs, NB = rows * G;
+    float mid[16];
+    for (int j = 0; j < 15; j++) mid[j] = 0.5f * (values[j] + values[j + 1]);
+    mid[15] = INFINITY;
+    int zi = 0;  // the code nearest zero (an all-zero or non-finite group)
+    for (int j = 1; j < 16; j++) if (fabsf(values[j]) < fabsf(values[zi])) zi = j;
+    float* sig = (float*)calloc((size_t)rows, sizeof(float));
+    if (weighting == 2) {
+#pragma omp parallel for schedule(static)
+        for (i64 r = 0; r < rows; r++) {
+            float buf[4096], acc = 0.f;
+            for (i64 g = 0; g < G; g++) {
+                load_group(w, bf16, r * K + g * gs, gs, buf);
+                for (i64 k = 0; k < gs; k++) acc += buf[k] * buf[k];
+            }
+            sig[r] = acc / (float)K;
+        }
+    }
+#if defined(__AVX512F__)
+    cb4_index ix;
+    cb4_index_init(&ix, mid);
+#pragma omp parallel
+    {
+        float* xt = (float*)malloc((size_t)gs * 16 * sizeof(float));
+        float* wt = (float*)malloc((size_t)gs * 16 * sizeof(float));
+        uint8_t* codes = (uint8_t*)malloc((size_t)gs * 32);
+#pragma omp for schedule(static)
+        for (i64 c = 0; c < (NB + 15) / 16; c++) {
+            const i64 b0 = c * 16;
+            const int nl = NB - b0 < 16 ? (int)(NB - b0) : 16;
+            float s2[16] = {0};
+            for (int l = 0; l < nl; l++) s2[l] = sig[(b0 + l) / G];
+            cb4_chunk16(w, bf16, b0, nl, G, gs, s2, weighting, colw, values, &ix, ntry, zi, xt, wt, codes, q, scale);
+        }
+        free(xt);
+        free(wt);
+        free(codes);
+    }
+#else
+#pragma omp parallel
+    {
+        float* x = (float*)malloc((size_t)gs * sizeof(float));
+        float* wt = (float*)malloc((size_t)gs * sizeof(float));
+        uint8_t* codes = (uint8_t*)malloc((size_t)gs * 2);
+#pragma omp for schedule(static)
+        for (i64 b = 0; b < NB; b++) {
+            load_group(w, bf16, b * gs, gs, x);  // group b starts at b*gs: rows are whole groups
+            float amax = 0.f, mx = 0.f, ds = 0.f;
+            int bad = 0;
+            for (i64 k = 0; k < gs; k++) {
+                const float a = fabsf(x[k]);
+                bad |= !(a <= 3.402823466e38f);
+                if (a > amax) { amax = a; mx = x[k]; }
+                wt[k] = cb4_weight(weighting, x[k], sig[b / G]) * (colw ? colw[(b % G) * gs + k] : 1.f);
+            }
+            uint8_t* o = q + b * (gs / 2);
+            if (bad || mx == 0.f) {
+                scale[b] = bad ? (uint16_t)0x7fc0 : 0;
+                for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)(zi | (zi << 4));
+                continue;
+            }
+            cb4_search1(x, wt, gs, values, mid, ntry, mx, &ds, codes, codes + gs);
+            for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+            scale[b] = f2bf_finite(ds);
+        }
+        free(x);
+        free(wt);
+        free(codes);
+    }
+#endif
+    free(sig);
+}
+
+// scale * values[code] per element; out fp32 or bf16 (rounded once).
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, i64 rows, i64 K,
+                      i64 gs, void* out, int out_bf16) {
+    const i64 G = K / gs;
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++)
+        for (i64 g = 0; g < G; g++) {
+            const float s = load_scale(scale, scale_bf16, r * G + g);
+            const uint8_t* qq = q + r * (K / 2) + g * gs / 2;
+            const i64 o = r * K + g * gs;
+            for (i64 j = 0; j < gs / 2; j++) {
+                const float a = s * values[qq[j] & 15], b = s * values[qq[j] >> 4];
+                if (out_bf16) {
+                    ((uint16_t*)out)[o + 2 * j] = f2bf(a);
+                    ((uint16_t*)out)[o + 2 * j + 1] = f2bf(b);
+                } else {
+                    ((float*)out)[o + 2 * j] = a;
+                    ((float*)out)[o + 2 * j + 1] = b;
+                }
+            }
+        }
+}

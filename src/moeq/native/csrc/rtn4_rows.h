@@ -142,11 +142,53 @@ static inline __attribute__((always_inline)) void rtn4_row_bf16(
     switch (M) { DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6) DP_CASE(7) DP_CASE(8) }
 #undef DP_CASE
 }
+
+// 4-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, and the signed grid as values -8..7), x in
+// x_to_bf16's permuted order (K % 64 == 0). lut: 32 bf16 words, the 16 values twice, so vpermw on a widened byte
+// (index = its low 5 bits) needs no mask for the low nibble. Groups of 32 (llama.cpp's block) or multiples of 64: in
+// a 64-chunk of the permuted layout, lanes 0-7 of each dot product hold elements 0..31 and lanes 8-15 elements
+// 32..63, so a group-32 chunk is scaled by one vector of two broadcast halves.
+static inline __attribute__((always_inline)) void cb4_rows_p64(
+    const uint16_t* xb, const i64 M, const uint8_t* q, const void* scale, int scale_bf16, const __m512i lut, i64 n,
+    i64 K, i64 gs, float* out) {
+    const i64 G = K / gs, C = K / 64;
+    const uint8_t* qn = q + n * (K / 2);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 c = 0; c < C; c++) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + 32 * c)));
+        const __m512i even = _mm512_permutexvar_epi16(w, lut);
+        const __m512i odd = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+        __m512 sv;
+        if (gs == 32) {
+            const float s0 = load_scale(scale, scale_bf16, n * G + 2 * c), s1 = load_scale(scale, scale_bf16, n * G + 2 * c + 1);
+            sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+        } else {
+            sv = _mm512_set1_ps(load_scale(scale, scale_bf16, n * G + c * 64 / gs));
+        }
+        for (i64 m = 0; m < M; m++) {
+            const uint16_t* xc = xb + m * K + 64 * c;
+            __m512 v = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)even, (__m512bh)_mm512_loadu_si512(xc));
+            v = _mm512_dpbf16_ps(v, (__m512bh)odd, (__m512bh)_mm512_loadu_si512(xc + 32));
+            acc[m] = _mm512_fmadd_ps(v, sv, acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// M (1..8) a compile-time constant per case.
+static inline __attribute__((always_inline)) void cb4_row_bf16(
+    const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* lut16, i64 n,
+    i64 K, i64 gs, float* out) {
+    const __m512i lut = _mm512_loadu_si512(lut16);
+#define CB_CASE(c) case c: cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, out); break;
+    switch (M) { CB_CASE(1) CB_CASE(2) CB_CASE(3) CB_CASE(4) CB_CASE(5) CB_CASE(6) CB_CASE(7) CB_CASE(8) }
+#undef CB_CASE
+}
 #endif
 
 // bf16 activations as the 4-bit kernels read them (per 64-chunk (even, odd) elements when perm64, else in order)
-// and their per-group sums, taken from the rounded values. Groups are multiples of 64 when perm64, so a group's
-// elements stay within it.
+// and their per-group sums (by original index, in either layout), taken from the rounded values.
 static inline void x_to_bf16(const float* x, i64 K, i64 gs, int perm64, uint16_t* dst, float* sums) {
     for (i64 g = 0; g < K / gs; g++) {
         float sum = 0.f;

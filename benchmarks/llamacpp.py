@@ -1,0 +1,84 @@
+"""llama.cpp's own tools for the head-to-head benchmarks: found in the cache where they are built from the
+``llama-cpp-python`` sdist's vendored llama.cpp (no network at run time):
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d ~/.cache/moeq-llamacpp
+    tar -xzf ~/.cache/moeq-llamacpp/llama_cpp_python-0.3.36.tar.gz -C ~/.cache/moeq-llamacpp
+    cd ~/.cache/moeq-llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \\
+          -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench llama-quantize
+
+``convert_hf_to_gguf.py`` (same folder) needs ``sentencepiece`` for Llama-family checkpoints; it is not a moeq
+dependency: ``pip install --target ~/.cache/moeq-llamacpp/pydeps sentencepiece`` (put on PYTHONPATH by
+:func:`convert`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CACHE = Path.home() / ".cache" / "moeq-llamacpp"
+ATTN_EXPERTS = (".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.", "_exps.")  # what both sides quantize
+
+
+def vendor_dir() -> Path | None:
+    hits = sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return hits[-1] if hits else None
+
+
+def find_tool(name: str, given: str | None = None) -> Path | None:
+    if given:
+        return Path(given)
+    v = vendor_dir()
+    exe = v / "build" / "bin" / name if v else None
+    return exe if exe is not None and exe.exists() else None
+
+
+def convert(src: Path, out: Path) -> Path:
+    """llama.cpp's own converter: the HF checkpoint as a BF16 GGUF."""
+    v = vendor_dir()
+    if v is None:
+        raise FileNotFoundError("no vendored llama.cpp in " + str(CACHE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(CACHE / "pydeps"),
+                                                                     os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, str(v / "convert_hf_to_gguf.py"), str(src), "--outtype", "bf16", "--outfile",
+                    str(out)], check=True, capture_output=True, env=env, timeout=1800)
+    return out
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Two GGUF files hold the same tensors: names, types and bytes."""
+    import gguf  # noqa: PLC0415
+
+    ta = {t.name: t for t in gguf.GGUFReader(a).tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(b).tensors}
+    return set(ta) == set(tb) and all(
+        ta[n].tensor_type == tb[n].tensor_type and np.array_equal(np.asarray(ta[n].data), np.asarray(tb[n].data))
+        for n in ta)
+
+
+def quantize(exe: Path, src: Path, dst: Path, qtype: str, pure: bool = False) -> Path:
+    """``llama-quantize`` without an importance matrix; token embeddings and output kept BF16, as moeq keeps them,
+    so both sides quantize the same tensors (attention and experts; llama.cpp never quantizes the router)."""
+    cmd = [str(exe), "--token-embedding-type", "bf16", "--output-tensor-type", "bf16"]
+    cmd += ["--pure"] if pure else []
+    subprocess.run(cmd + [str(src), str(dst), qtype], check=True, capture_output=True, timeout=3600)
+    return dst
+
+
+def bits_per_weight(path: Path) -> tuple[float, dict[str, int]]:
+    """Bits per weight over attention (q, k, v, o) and expert tensors, and how many tensors of each type."""
+    import gguf  # noqa: PLC0415
+
+    bits = count = 0
+    types: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if any(s in t.name for s in ATTN_EXPERTS):
+            block, per = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            n = int(np.prod(t.shape))
+            bits += n * per * 8 / block
+            count += n
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return bits / count, types

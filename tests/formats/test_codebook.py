@@ -1,0 +1,117 @@
+"""4-bit codebook grids (``iq4nl``: llama.cpp's IQ4_NL values) and the importance-weighted scale search
+(``moeq_cb4_search``) on the ``iq4nl`` and ``signed`` grids: parity with gguf's own IQ4_NL/Q4_0 decoders, the native
+search against its plain-torch twin, what the search promises (exact fp16/bf16 scales, lower weighted error than
+llama.cpp's plain Q4_0 rounding, nearest codes), and bad input."""
+import numpy as np
+import pytest
+import torch
+
+from moeq.config import RTN
+from moeq.errors import MoeqError
+from moeq.formats import rtn
+from moeq.formats.codebooks import IQ4NL
+from moeq.formats.search import codebook_search
+
+gguf = pytest.importorskip("gguf")
+
+
+def _weights(rows=64, k=512, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, k, generator=g) * 0.02
+    w[:, ::37] *= 8  # outliers, as trained weights have
+    return w.to(dtype)
+
+
+def _werr(w, q, weighting="x2"):
+    x = w.float()
+    wt = {"x2": x * x, "mse": torch.ones_like(x), "row": (x * x).mean(-1, keepdim=True) + x * x}[weighting]
+    return float((wt * (q.dequantize(torch.float32) - x) ** 2).sum())
+
+
+@pytest.mark.parametrize("grid,qtype", [("iq4nl", "IQ4_NL"), ("signed", "Q4_0")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, dtype):
+    from moeq.export.gguf import ggml_blocks, ggml_type
+
+    w = _weights(dtype=dtype)
+    q = rtn.quantize(w, 4, 32, True, grid, search=5)
+    assert ggml_type(q) == qtype
+    theirs = gguf.quants.dequantize(ggml_blocks(q).numpy(), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(theirs.reshape(w.shape), q.dequantize(torch.float32).numpy())
+    assert torch.equal(q.dequantize(torch.float32), q.dequantize_reference(torch.float32))  # native == torch
+    assert torch.equal(q.dequantize(torch.bfloat16), q.dequantize_reference(torch.bfloat16))
+
+
+@pytest.mark.parametrize("grid", ["iq4nl", "signed"])
+@pytest.mark.parametrize("weighting", ["x2", "row", "mse"])
+def test_native_search_matches_torch_twin(grid, weighting):
+    w = _weights(rows=48, k=256, seed=1)
+    a = rtn.quantize(w, 4, 32, True, grid, search=7, weighting=weighting)
+    b = rtn.quantize(w, 4, 32, True, grid, search=7, weighting=weighting, native=False)
+    vals = torch.tensor(rtn.grid_values(grid), dtype=torch.float32)
+    codes, scale = codebook_search(w.float(), 32, vals, 7, rtn.WEIGHTINGS[weighting])
+    assert torch.equal(b.scale, scale) and torch.equal(b.codes(), codes)  # the fallback is the twin itself
+    same = (a.scale == b.scale).float().mean()
+    assert same > 0.99  # sums in another order may tip a near-tie candidate
+    ea, eb = _werr(w, a, weighting), _werr(w, b, weighting)
+    assert abs(ea - eb) <= 1e-3 * eb
+
+
+@pytest.mark.parametrize("grid", ["iq4nl", "signed"])
+def test_search_scales_codes_and_error(grid):
+    w = _weights(seed=2)
+    q = rtn.quantize(w, 4, 32, True, grid, search=7)
+    s = q.scale
+    assert s.dtype == torch.bfloat16 and torch.equal(s.to(torch.float16).to(torch.bfloat16), s)  # exact in both
+    # every code is the nearest table value to x / scale, or (winning candidate kept) at most one step away
+    vals = torch.tensor(rtn.grid_values(grid), dtype=torch.float32)
+    y = w.float().view(64, -1, 32) / s.float().unsqueeze(-1)
+    nearest = (y.unsqueeze(-1) - vals).abs().argmin(-1)
+    assert ((q.codes().view(64, -1, 32).long() - nearest).abs() <= 1).all()
+    assert (q.codes().view(64, -1, 32).long() == nearest).float().mean() > 0.95
+    plain = rtn.quantize(w, 4, 32, True, "signed")  # llama.cpp's Q4_0 rounding
+    assert _werr(w, q) < (0.9 if grid == "iq4nl" else 0.99) * _werr(w, plain)
+    more = rtn.quantize(w, 4, 32, True, grid, search=15)
+    assert _werr(w, more) <= _werr(w, q) * 1.001  # more candidates: never worse (beyond rounding of sums)
+
+
+def test_iq4nl_beats_q4_0_and_importance_steers_the_error():
+    w = _weights(seed=3)
+    iq = rtn.quantize(w, 4, 32, True, "iq4nl", search=7, weighting="mse")
+    q40 = rtn.quantize(w, 4, 32, True, "signed", search=7, weighting="mse")
+    assert _werr(w, iq, "mse") < _werr(w, q40, "mse")  # the non-linear grid fits Gaussian-like weights better
+    imp = torch.ones(512)
+    imp[:32] = 1000.0  # the first block of every row matters most
+    a = rtn.quantize(w, 4, 32, True, "iq4nl", search=7, weighting="mse")
+    b = rtn.quantize(w, 4, 32, True, "iq4nl", search=7, weighting="mse", importance=imp)
+    err = lambda q: float(((q.dequantize(torch.float32) - w.float())[:, :32] ** 2).sum())  # noqa: E731
+    assert err(b) <= err(a)
+    assert torch.equal(a.scale[:, 1:], b.scale[:, 1:])  # other blocks: weights scale uniformly, same choice
+
+
+def test_zero_and_non_finite_groups():
+    w = _weights(rows=4, k=64)
+    w[1, :32] = 0
+    q = rtn.quantize(w, 4, 32, True, "iq4nl")
+    assert q.scale[1, 0] == 0 and torch.equal(q.dequantize()[1, :32], torch.zeros(32, dtype=torch.bfloat16))
+    assert (q.codes()[1, :32] == IQ4NL.index(1)).all()  # the value nearest zero
+    w[2, 5] = float("nan")
+    with pytest.raises(MoeqError, match="experts.0.w1"):
+        rtn.quantize(w, 4, 32, True, "iq4nl", name="experts.0.w1")
+    with pytest.raises(MoeqError, match="importance"):
+        rtn.quantize(_weights(rows=4, k=64), 4, 32, True, "iq4nl", importance=torch.ones(63))
+
+
+def test_configs_and_stored_weights_refuse_nonsense():
+    for bad in (dict(bits=8), dict(symmetric=False), dict(refine=2)):
+        with pytest.raises(MoeqError, match="codebook"):
+            RTN(**{"bits": 4, "group_size": 32, "grid": "iq4nl", **bad})
+    with pytest.raises(MoeqError, match="weighting"):
+        RTN(4, 32, grid="signed", search=7, weighting="l1")
+    q = rtn.quantize(_weights(rows=4, k=64), 4, 32, True, "iq4nl")
+    import dataclasses
+
+    with pytest.raises(MoeqError, match="4-bit codebook"):
+        dataclasses.replace(q, bits=8, qdata=torch.zeros(4, 64, dtype=torch.uint8)).validate("x")
+    huge = dataclasses.replace(q, scale=torch.full_like(q.scale, 3e36))  # 127 * 3e36 overflows bf16
+    assert huge.problems()
