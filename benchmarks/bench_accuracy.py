@@ -49,6 +49,11 @@ LLAMACPP_TYPES = ["Q4_0", "Q4_0:pure", "IQ4_NL", "IQ4_NL:pure", "Q4_K_S", "Q4_K_
                   "IQ3_S", "Q6_K", "Q8_0"]
 
 
+IQ4R = RTN(4, 32, grid="iq4nl", search=7, weighting="row")
+Q80 = RTN(8, 32, grid="signed")
+MORE = [i for i in range(30) if i < 30 // 8 or i >= 7 * 30 // 8 or (i - 30 // 8) % 3 == 2]  # llama.cpp use_more_bits
+
+
 def methods() -> dict[str, QuantConfig]:
     m = {
         "vLLM RTN-int4 sym g64": RTN(4, 64), "vLLM RTN-int4 sym g192": RTN(4, 192),
@@ -82,6 +87,15 @@ def methods() -> dict[str, QuantConfig]:
         "iq4nl s0": RTN(4, 32, grid="iq4nl", search=0),
         "iq4nl, k,v q8_0": QuantConfig(RTN(4, 32, grid="iq4nl", search=7),
                                        rules={"*.k_proj": RTN(8, 32, grid="signed"), "*.v_proj": RTN(8, 32, grid="signed")}),
+        "iq4nl row s15": RTN(4, 32, grid="iq4nl", search=15, weighting="row"),
+        "iq4nl row g64": RTN(4, 64, grid="iq4nl", search=7, weighting="row"),
+        "iq4nl row, k,v q8_0": QuantConfig(IQ4R, rules={"*.k_proj": Q80, "*.v_proj": Q80}),
+        "iq4nl row, k,v,o q8_0": QuantConfig(IQ4R, rules={"*.k_proj": Q80, "*.v_proj": Q80, "*.o_proj": Q80}),
+        "iq4nl row, k,v q8_0, down q8_0 in llama.cpp's more-bits layers": QuantConfig(
+            IQ4R, rules={"*.k_proj": Q80, "*.v_proj": Q80, **{f"model.layers.{i}.mlp.experts.w2": Q80 for i in MORE}}),
+        "iq4nl row, attention q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80}),
+        "q4_0-opt row, k,v q8_0": QuantConfig(RTN(4, 32, grid="signed", search=7, weighting="row"),
+                                              rules={"*.k_proj": Q80, "*.v_proj": Q80}),
         "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
     }
     return {k: QuantConfig.of(v) for k, v in m.items()}

@@ -85,3 +85,24 @@ def test_cli_rule_keeps_its_own_group_size(tiny_ckpt, tmp_path, capsys):
     assert f["model.layers.1.mlp.experts.w2"][1]["group_size"] == 64
     assert main(["quantize", str(src), str(tmp_path / "b"), "--rule", "*.nothing=nf4"]) == 2
     assert "matches no module" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_named_mixes(model_type, tiny_ckpt, tmp_path, capsys):
+    """A mix (iq4nl-m/-l, q4_0-m) puts k,v (MLA: its kv projections) and, for -l, the experts' down at q8_0; its rules
+    may match nothing in a family (no k_proj in MLA) while a user's rule stays strict, and comes first."""
+    src = tiny_ckpt(model_type)
+    f = formats(moeq.load(src, quant="iq4nl-l", progress=False))
+    kv = [n for n in f if n.removesuffix(".weight").endswith(("k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj"))]
+    assert kv and all(f[n][1]["bits"] == 8 and f[n][1]["grid"] == "signed" for n in kv)
+    downs = [n for n in f if n.endswith("experts.w2")]
+    assert downs and all(f[n][1]["bits"] == 8 for n in downs)
+    assert all(f[n][1]["grid"] == "iq4nl" for n in f if n.endswith("experts.w13"))
+    f = formats(moeq.load(src, quant="q4_0-m", progress=False))
+    assert all(f[n][1]["grid"] == "signed" and f[n][1]["bits"] == 4 for n in f if n.endswith("experts.w2"))
+    assert main(["quantize", str(src), str(tmp_path / "x"), "--method", "iq4nl-m", "--rule", "*.nonexistent=q8_0"]) == 2
+    assert "'*.nonexistent' matches no module" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    out = tmp_path / "y"
+    assert main(["quantize", str(src), str(out), "--method", "iq4nl-m", "--rule", "*.experts=rtn-int8"]) == 0
+    f = formats(moeq.load(out, progress=False))
+    assert all(f[n][1]["bits"] == 8 for n in f if ".experts." in n) and all(f[n][1]["bits"] == 8 for n in kv)

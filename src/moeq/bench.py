@@ -29,6 +29,8 @@ def _presets(group_size: int = 128):
         "moeq rtn-int4": moeq.QuantConfig(moeq.RTN(4, gs), rules={"lm_head": moeq.RTN(8, gs)}),
         "moeq rtn-int8": moeq.QuantConfig(moeq.RTN(8, gs), rules={"lm_head": moeq.RTN(8, gs)}),
         "moeq nf4": moeq.QuantConfig(moeq.NF4(), rules={"lm_head": moeq.RTN(8, gs)}),
+        "moeq q4_0": moeq.QuantConfig(moeq.config.method("q4_0"), rules={"lm_head": moeq.RTN(8, gs)}),
+        "moeq iq4nl": moeq.QuantConfig(moeq.config.method("iq4nl"), rules={"lm_head": moeq.RTN(8, gs)}),
     }
 
 

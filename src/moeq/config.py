@@ -188,8 +188,10 @@ METHODS: dict[str, FormatConfig] = {
     "q4_0": RTN(4, 32, grid="signed"),  # llama.cpp's Q4_0 rounding (d = signed max / -8); GGUF export is lossless
     "q8_0": RTN(8, 32, grid="signed"),  # llama.cpp's Q8_0 blocks; GGUF export is lossless
     # importance-weighted scale search (native): same Q4_0 blocks, lower error; GGUF export stays lossless
-    "q4_0-opt": RTN(4, 32, grid="signed", search=7),
-    "iq4nl": RTN(4, 32, grid="iq4nl", search=7),  # llama.cpp's IQ4_NL values and search (both signs); lossless GGUF
+    "q4_0-opt": RTN(4, 32, grid="signed", search=7, weighting="row"),
+    # llama.cpp's IQ4_NL values; its scale search over both signs with row-aware weights (lower KL than x^2,
+    # measured); GGUF export lossless (IQ4_NL)
+    "iq4nl": RTN(4, 32, grid="iq4nl", search=7, weighting="row"),
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),
@@ -199,6 +201,23 @@ METHODS: dict[str, FormatConfig] = {
     "int8": Int8(),
     "none": Keep(),
 }
+
+
+_KV = ("*.k_proj", "*.v_proj", "*.kv_a_proj_with_mqa", "*.kv_b_proj")  # k and v (MLA: its compressed kv path)
+# Data-free mixes in the spirit of llama.cpp's _M/_L types: named methods whose default format is a 4-bit method and
+# whose own rules give the tensors where a bit buys the most 8 bits (k,v first: ~6% of an attention+experts model;
+# then the experts' down projections). Measured on the real-weights fixture (README, benchmarks/bench_accuracy.py).
+MIXES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
+    "iq4nl-m": ("iq4nl", tuple((p, "q8_0") for p in _KV)),
+    "iq4nl-l": ("iq4nl", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2", "*shared_expert.down_proj"))),
+    "q4_0-m": ("q4_0-opt", tuple((p, "q8_0") for p in _KV)),  # every tensor Q4_0/Q8_0 in GGUF, losslessly
+}
+
+
+def mix(name: str, group_size: int | None = None) -> QuantConfig:
+    """A named mix (:data:`MIXES`) as a :class:`QuantConfig`; ``group_size`` overrides its default format's."""
+    base, rules = MIXES[name]
+    return QuantConfig(method(base, group_size), preset_rules=tuple((p, method(m)) for p, m in rules))
 
 
 def method(name: str, group_size: int | None = None) -> FormatConfig:
@@ -231,18 +250,24 @@ class QuantConfig:
     rules: tuple[tuple[str, FormatConfig], ...] = ()
     version: int = dataclasses.field(default=CONFIG_VERSION, kw_only=True)
     strict: bool = dataclasses.field(default=True, kw_only=True)  # a rule that matches nothing is an error
+    # a named mix's own rules (:data:`MIXES`): after ``rules``, and free to match nothing (not every family has them)
+    preset_rules: tuple[tuple[str, FormatConfig], ...] = dataclasses.field(default=(), kw_only=True)
 
     def __post_init__(self):
         _check_version(self.version, "quantization config")
         if isinstance(self.rules, dict):
             object.__setattr__(self, "rules", tuple(self.rules.items()))
 
+    @property
+    def all_rules(self) -> tuple[tuple[str, FormatConfig], ...]:
+        return self.rules + self.preset_rules
+
     @staticmethod
     def of(cfg: QuantConfig | FormatConfig | str) -> QuantConfig:
         if isinstance(cfg, QuantConfig):
             return cfg
         if isinstance(cfg, str):
-            return QuantConfig(method(cfg))
+            return mix(cfg) if cfg in MIXES else QuantConfig(method(cfg))
         return QuantConfig(cfg)
 
     def for_module(self, name: str, never: tuple[str, ...] = ()) -> FormatConfig:
@@ -251,7 +276,7 @@ class QuantConfig:
         :func:`fnmatch.fnmatchcase` on module names."""
         if any(fnmatch.fnmatchcase(name, p) for p in never):
             return Keep()
-        for pattern, cfg in self.rules:
+        for pattern, cfg in self.all_rules:
             if fnmatch.fnmatchcase(name, pattern):
                 return cfg
         if any(fnmatch.fnmatchcase(name, p) for p in DEFAULT_KEEP):
@@ -260,19 +285,23 @@ class QuantConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "default": self.default.to_dict(),
-                "rules": [[p, c.to_dict()] for p, c in self.rules], "strict": self.strict}
+                "rules": [[p, c.to_dict()] for p, c in self.rules], "strict": self.strict,
+                "preset_rules": [[p, c.to_dict()] for p, c in self.preset_rules]}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> QuantConfig:
         if not isinstance(d, dict) or "default" not in d or not isinstance(d.get("rules", []), list):
             raise MoeqError(f"a quantization config must be an object with default and rules, got {d!r}"[:300])
         _check_version(d.get("version", 1), "quantization config")
+        if not isinstance(d.get("preset_rules", []), list):
+            raise MoeqError("quantization config preset_rules must be a list")
         try:
             rules = tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("rules", []))
+            preset = tuple((p, FormatConfig.from_dict(c)) for p, c in d.get("preset_rules", []))
         except (TypeError, ValueError) as e:
             raise MoeqError(f"quantization config rules malformed: {e}") from None
         return QuantConfig(FormatConfig.from_dict(d["default"]), rules, version=d.get("version", 1),
-                           strict=bool(d.get("strict", True)))
+                           strict=bool(d.get("strict", True)), preset_rules=preset)
 
 
 def presets() -> dict[str, QuantConfig]:
@@ -305,7 +334,7 @@ class Policy:
         self.seen.extend(names)
         if any(fnmatch.fnmatchcase(names[0], p) for p in self.never):
             return Keep()
-        for i, (pattern, cfg) in enumerate(self.qcfg.rules):
+        for i, (pattern, cfg) in enumerate(self.qcfg.all_rules):
             if any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 self.used.add(i)
                 return cfg

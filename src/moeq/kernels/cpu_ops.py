@@ -11,8 +11,7 @@ import torch
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq import native
 from moeq.kernels.registry import register
-from moeq.formats.rtn import CODEBOOKS
-from moeq.kernels.moe_cpu import codebook_tables, describe
+from moeq.kernels.moe_cpu import codebook_of, codebook_tables, describe
 from moeq.native import Fmt
 
 MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
@@ -64,8 +63,9 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
     native.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)))
-    if w.grid in CODEBOOKS:
-        return _codebook_gemv(L, w, x, m, n, k, gs, bias)
+    table = codebook_of(w, gs)
+    if table is not None:
+        return _codebook_gemv(L, table, w, x, m, n, k, gs, bias)
     if x.dtype == torch.bfloat16 and gs % 32 == 0 and native.has_dpbf16():  # AVX512-BF16 dot products
         xb = x.reshape(m, k).contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
@@ -92,11 +92,11 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     return _finish(y, x, n, bias)
 
 
-def _codebook_gemv(L, w: RTNWeight, x: torch.Tensor, m: int, n: int, k: int, gs: int,
+def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int, k: int, gs: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """4-bit codebook grids (value = scale * table[code]): AVX512-BF16 dot products on bf16 activations in 64-chunks
     (gs 32 or a multiple of 64), else the fp32 kernel."""
-    values, lut = codebook_tables(w.grid)
+    values, lut = codebook_tables(table)
     y = torch.empty(m, n, dtype=torch.float32)
     sb = int(w.scale.dtype == torch.bfloat16)
     if x.dtype == torch.bfloat16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0) and native.has_dpbf16():

@@ -37,6 +37,15 @@ static inline uint16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
     return (uint16_t)(u >> 16);
 }
 
+#if defined(__AVX512F__)
+static inline __m256i f32_to_bf16x16(__m512 v) {  // round to nearest even (finite values), as f2bf_finite
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+#endif
+
 static inline float load_scale(const void* s, int bf16, i64 i) {
     return bf16 ? bf2f(((const uint16_t*)s)[i]) : ((const float*)s)[i];
 }

@@ -668,6 +668,29 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             const float s = load_scale(scale, scale_bf16, r * G + g);
             const uint8_t* qq = q + r * (K / 2) + g * gs / 2;
             const i64 o = r * K + g * gs;
+#if defined(__AVX512BW__)
+            if (gs % 32 == 0) {  // 16 bytes -> 32 values: low nibbles are the even elements, high the odd
+                const __m512 tab = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
+                for (i64 j = 0; j < gs / 2; j += 16) {
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
+                    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(b, tab), sv);  // index: low 4 bits
+                    const __m512 od = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab), sv);
+                    // interleave (even, odd) pairs back into element order
+                    const __m512i idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                    const __m512i idx_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                    const __m512 lo = _mm512_permutex2var_ps(ev, idx_lo, od), hi = _mm512_permutex2var_ps(ev, idx_hi, od);
+                    if (out_bf16) {
+                        uint16_t* dst = (uint16_t*)out + o + 2 * j;
+                        _mm256_storeu_si256((__m256i*)dst, f32_to_bf16x16(lo));
+                        _mm256_storeu_si256((__m256i*)(dst + 16), f32_to_bf16x16(hi));
+                    } else {
+                        _mm512_storeu_ps((float*)out + o + 2 * j, lo);
+                        _mm512_storeu_ps((float*)out + o + 2 * j + 16, hi);
+                    }
+                }
+                continue;
+            }
+#endif
             for (i64 j = 0; j < gs / 2; j++) {
                 const float a = s * values[qq[j] & 15], b = s * values[qq[j] >> 4];
                 if (out_bf16) {
