@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from moeq.config import BNB4, RTN, Int8
+from moeq.config import BNB4, RTN, Int8, method
 from moeq.demo import synthetic_stack
 from moeq.io.writer import write_json
 
@@ -45,10 +45,10 @@ def main():
     except ImportError:
         pass
     for cfg in (RTN(4, 128), RTN(4, 128, symmetric=False), RTN(8, 128), BNB4("nf4", 64, True), BNB4("fp4", 64, True),
-                Int8()):
+                Int8(), *(method(n) for n in ("q4_0", "q8_0", "q4_0-opt", "iq4nl", "nf4-opt"))):
         tq, q = timed(lambda: cfg.quantize(w), 1)
         td, _ = timed(lambda: q.dequantize(torch.bfloat16))
-        r = {"format": cfg.label(), "quantize_gbps": gb / tq, "dequantize_gbps": gb / td,
+        r = {"format": cfg.label(), "quantize_gbps": gb / tq, "dequantize_gbps": gb / td, "seconds": tq,
              "bits_per_weight": q.bits_per_weight}
         if bnb_q:
             r["quantize_vs_bnb"] = r["quantize_gbps"] / bnb_q

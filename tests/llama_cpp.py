@@ -34,7 +34,10 @@ def library() -> ctypes.CDLL:
                 "llama_decode": ([p, _Blob], i32), "llama_get_logits_ith": ([p, i32], ctypes.POINTER(ctypes.c_float)),
                 "llama_model_get_vocab": ([p], p), "llama_vocab_n_tokens": ([p], i32), "llama_free": ([p], None),
                 "llama_model_free": ([p], None),
-                "llama_tokenize": ([p, ctypes.c_char_p, i32, p, i32, ctypes.c_bool, ctypes.c_bool], i32)}
+                "llama_tokenize": ([p, ctypes.c_char_p, i32, p, i32, ctypes.c_bool, ctypes.c_bool], i32),
+                "ggml_quantize_init": ([ctypes.c_int], None),
+                "ggml_quantize_chunk": ([ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p],
+                                        ctypes.c_size_t)}
         for name, (args, res) in sigs.items():
             f = getattr(lib, name)
             f.argtypes, f.restype = args, res
@@ -93,3 +96,22 @@ class LlamaCpp:
         if self.model:
             self.lib.llama_model_free(self.model)
             self.model = None
+
+
+def quantize(values: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp's own quantizer (``ggml_quantize_chunk``, what ``llama-quantize`` calls per tensor) on fp32 rows
+    ``[rows, k]``: the GGML block bytes ``[rows, k / block * type_size]`` (uint8)."""
+    import gguf  # noqa: PLC0415
+
+    lib = library()
+    gtype = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[gtype]
+    src = np.ascontiguousarray(values, dtype=np.float32)
+    rows, k = src.shape
+    out = np.zeros((rows, k // block * size), dtype=np.uint8)
+    lib.ggml_quantize_init(int(gtype))
+    imat = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
+    n = lib.ggml_quantize_chunk(int(gtype), src.ctypes.data, out.ctypes.data, 0, rows, k,
+                                None if imat is None else imat.ctypes.data)
+    assert n == out.nbytes, (n, out.nbytes)
+    return out

@@ -115,3 +115,24 @@ def test_configs_and_stored_weights_refuse_nonsense():
         dataclasses.replace(q, bits=8, qdata=torch.zeros(4, 64, dtype=torch.uint8)).validate("x")
     huge = dataclasses.replace(q, scale=torch.full_like(q.scale, 3e36))  # 127 * 3e36 overflows bf16
     assert huge.problems()
+
+
+@pytest.mark.parametrize("qtype,grid", [("IQ4_NL", "iq4nl"), ("Q4_0", "signed")])
+def test_against_llama_cpp_own_quantizer(qtype, grid):
+    """llama.cpp's own quantizer (the code llama-quantize runs, without an importance matrix) on the same weights:
+    its blocks decode (gguf-py) to a larger error than moeq's search under the same criterion (llama.cpp's x^2, or
+    plain MSE), and its plain Q4_0 rounding is moeq's q4_0 bit for bit."""
+    pytest.importorskip("xllamacpp")
+    from tests.llama_cpp import quantize as llama_quantize
+
+    w = _weights(rows=128, k=1024, seed=4, dtype=torch.float32)
+    x = w.numpy()
+    theirs = gguf.quants.dequantize(llama_quantize(x, qtype), gguf.GGMLQuantizationType[qtype]).reshape(x.shape)
+    for weighting, wt in (("x2", x * x), ("mse", np.ones_like(x))):  # llama.cpp's own criterion, and plain MSE
+        mine = rtn.quantize(w, 4, 32, True, grid, search=7, weighting=weighting).dequantize(torch.float32).numpy()
+        assert (wt * (mine - x) ** 2).sum() < (wt * (theirs - x) ** 2).sum()
+    if qtype == "Q4_0":
+        from moeq.export.gguf import ggml_blocks
+
+        plain = rtn.quantize(w.half().float(), 4, 32, True, "signed")  # fp16-exact inputs keep scales fp16-exact
+        assert np.array_equal(ggml_blocks(plain).numpy().reshape(128, -1), llama_quantize(w.half().float().numpy(), "Q4_0"))

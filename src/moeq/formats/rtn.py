@@ -311,13 +311,14 @@ def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):
         scale = g.abs().amax(-1, keepdim=True) * 2.0 / maxq
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)  # all-zero group -> code `half` -> exact 0
         q = ((g / safe).round() + half).clamp(0, maxq)
-    else:
+    else:  # llama.cpp quantize_row_q4_0_ref arithmetic: d = peak / -half in fp32, codes floor(x * (1/d) + half + 0.5)
+        # (8 bits: the same rule, peak on code 0; llama.cpp Q8_0 itself uses amax / 127)
         idx = g.abs().argmax(-1, keepdim=True)
         peak = g.gather(-1, idx).float()
-        scale = (-peak / half).to(g.dtype)
-        s = scale.float()
-        s = torch.where(s == 0, 1.0, s)
-        q = ((g.float() / s).round() + half).clamp(0, maxq)
+        d = -peak / half
+        scale = d.to(g.dtype)
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+        q = (g.float() * inv + (half + 0.5)).floor().clamp(0, maxq)
     return q.to(torch.uint8), scale.squeeze(-1), zero
 
 
