@@ -100,6 +100,9 @@ def test_named_mixes(model_type, tiny_ckpt, tmp_path, capsys):
     assert all(f[n][1]["grid"] == "iq4nl" for n in f if n.endswith("experts.w13"))
     f = formats(moeq.load(src, quant="q4_0-m", progress=False))
     assert all(f[n][1]["grid"] == "signed" and f[n][1]["bits"] == 4 for n in f if n.endswith("experts.w2"))
+    f = formats(moeq.load(src, quant="q5_0-m", progress=False))  # 2 layers: llama.cpp gives layer 1 more bits
+    downs = {n: f[n][1]["bits"] for n in f if n.endswith("experts.w2")}
+    assert downs == {n: 8 if ".layers.1." in n else 5 for n in downs} and ".layers.1." in " ".join(downs)
     assert main(["quantize", str(src), str(tmp_path / "x"), "--method", "iq4nl-m", "--rule", "*.nonexistent=q8_0"]) == 2
     assert "'*.nonexistent' matches no module" in capsys.readouterr().err and not (tmp_path / "x").exists()
     out = tmp_path / "y"

@@ -189,6 +189,8 @@ METHODS: dict[str, FormatConfig] = {
     "q8_0": RTN(8, 32, grid="signed"),  # llama.cpp's Q8_0 blocks; GGUF export is lossless
     # importance-weighted scale search (native): same Q4_0 blocks, lower error; GGUF export stays lossless
     "q4_0-opt": RTN(4, 32, grid="signed", search=7, weighting="row"),
+    "q5_0": RTN(5, 32, grid="signed"),  # llama.cpp's Q5_0 codes bit for bit; GGUF export is lossless
+    "q5_0-opt": RTN(5, 32, grid="signed", search=7, weighting="row"),
     # llama.cpp's IQ4_NL values; its scale search over both signs with row-aware weights (lower KL than x^2,
     # measured); GGUF export lossless (IQ4_NL)
     "iq4nl": RTN(4, 32, grid="iq4nl", search=7, weighting="row"),
@@ -207,11 +209,39 @@ _KV = ("*.k_proj", "*.v_proj", "*.kv_a_proj_with_mqa", "*.kv_b_proj")  # k and v
 # Data-free mixes in the spirit of llama.cpp's _M/_L types: named methods whose default format is a 4-bit method and
 # whose own rules give the tensors where a bit buys the most 8 bits (k,v first: ~6% of an attention+experts model;
 # then the experts' down projections). Measured on the real-weights fixture (README, benchmarks/bench_accuracy.py).
+# A preset pattern ending in ``@more`` matches only in llama.cpp's "use more bits" layers (its use_more_bits():
+# the first and last eighth, and every third layer between).
+MORE = "@more"
 MIXES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
     "iq4nl-m": ("iq4nl", tuple((p, "q8_0") for p in _KV)),
     "iq4nl-l": ("iq4nl", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2", "*shared_expert.down_proj"))),
     "q4_0-m": ("q4_0-opt", tuple((p, "q8_0") for p in _KV)),  # every tensor Q4_0/Q8_0 in GGUF, losslessly
+    # 5-bit everywhere, k,v and the down projections of llama.cpp's more-bits layers 8-bit (Q5_0/Q8_0 in GGUF)
+    "q5_0-m": ("q5_0-opt", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2" + MORE, "*shared_expert.down_proj" + MORE))),
 }
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that get more bits (``use_more_bits`` in llama-quant.cpp)."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p in ("layers", "h", "blocks") and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def rule_matches(pattern: str, names: tuple[str, ...], n_layers: int | None) -> bool:
+    """A rule's glob against a module's names; ``@more`` patterns also need a more-bits layer (known layer count)."""
+    if pattern.endswith(MORE):
+        layer = _layer_of(names[0])
+        if n_layers is None or layer is None or not use_more_bits(layer, n_layers):
+            return False
+        pattern = pattern[: -len(MORE)]
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
 def mix(name: str, group_size: int | None = None) -> QuantConfig:
@@ -277,7 +307,7 @@ class QuantConfig:
         if any(fnmatch.fnmatchcase(name, p) for p in never):
             return Keep()
         for pattern, cfg in self.all_rules:
-            if fnmatch.fnmatchcase(name, pattern):
+            if rule_matches(pattern, (name,), None):
                 return cfg
         if any(fnmatch.fnmatchcase(name, p) for p in DEFAULT_KEEP):
             return Keep()
@@ -324,8 +354,8 @@ class Policy:
     (``....experts.w13`` / ``.w2``) — and remembering which rules matched, so a rule that matches nothing is an
     error listing close names instead of being silently ignored. ``never``: an architecture's never-quantize globs."""
 
-    def __init__(self, qcfg: QuantConfig, never: tuple[str, ...] = ()):
-        self.qcfg, self.never = qcfg, never
+    def __init__(self, qcfg: QuantConfig, never: tuple[str, ...] = (), n_layers: int | None = None):
+        self.qcfg, self.never, self.n_layers = qcfg, never, n_layers
         self.used: set[int] = set()
         self.seen: list[str] = []
 
@@ -335,7 +365,7 @@ class Policy:
         if any(fnmatch.fnmatchcase(names[0], p) for p in self.never):
             return Keep()
         for i, (pattern, cfg) in enumerate(self.qcfg.all_rules):
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            if rule_matches(pattern, names, self.n_layers):
                 self.used.add(i)
                 return cfg
         if any(fnmatch.fnmatchcase(names[0], p) for p in DEFAULT_KEEP):

@@ -233,7 +233,8 @@ def plan(model: nn.Module, arch: Arch, qcfg: QuantConfig) -> tuple[dict, dict]:
     """What to quantize how in ``model``: ``({experts module: (w13 format, w2 format)}, {linear: format})`` (kept
     linears omitted). Rules match module, checkpoint and ``inspect`` names (see :class:`~moeq.config.Policy`); a
     strict config's rule that matches nothing raises, listing close names."""
-    policy = Policy(qcfg, never=arch.keep)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    policy = Policy(qcfg, never=arch.keep, n_layers=getattr(text, "num_hidden_layers", None))
     experts, linears = {}, {}
     for name, mod in model.named_modules():
         disk = arch.to_disk(name)

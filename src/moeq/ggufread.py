@@ -19,11 +19,12 @@ from transformers import AutoConfig
 
 from moeq.errors import MoeqError
 from moeq.formats import RTNWeight
+from moeq.formats.packing import pack
 from moeq.load_state import LoadState, compute_dtype, set_tensor
 from moeq.config import QuantConfig
 
 
-PACKED = ("Q4_0", "Q8_0", "IQ4_NL")  # GGML types moeq holds as they are (RTN signed / iq4nl grids, group 32)
+PACKED = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL")  # GGML types moeq holds as they are (RTN signed / iq4nl grids, group 32)
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -76,7 +77,11 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
     b = torch.from_numpy(np.array(blocks, copy=True)).reshape(*shape[:-1], shape[-1] // 32, per)
     d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
     qs = b[..., 2:]
-    if bits == 4:  # byte j: element j (low nibble), element j+16 (high nibble)
+    if bits == 5:  # Q5_0: qh (4 bytes, bit j = element j's fifth bit), then the Q4_0 nibble layout
+        hi = torch.stack([(qs[..., :4] >> i) & 1 for i in range(8)], dim=-1).flatten(-2)
+        codes = torch.cat([qs[..., 4:] & 0xF, qs[..., 4:] >> 4], dim=-1) | (hi << 4)
+        qdata = pack(codes.flatten(-2), 5)
+    elif bits == 4:  # byte j: element j (low nibble), element j+16 (high nibble)
         codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)
         qdata = (codes[..., 0::2] | (codes[..., 1::2] << 4)).flatten(-2)
     else:
@@ -152,7 +157,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             gate, up, down = (types.get(f"{blk}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
             packed = gate == up and gate in PACKED and down in PACKED
         if packed:
-            bits = 8 if qtype == "Q8_0" else 4
+            bits = {"Q8_0": 8, "Q5_0": 5}.get(qtype, 4)
             w = _rtn_from_blocks(data, bits, logical, t.name, "iq4nl" if qtype == "IQ4_NL" else "signed")
             if kind.startswith("experts."):
                 for e in range(logical[0]):

@@ -28,13 +28,16 @@ def _werr(w, q, weighting="x2"):
     return float((wt * (q.dequantize(torch.float32) - x) ** 2).sum())
 
 
-@pytest.mark.parametrize("grid,qtype", [("iq4nl", "IQ4_NL"), ("signed", "Q4_0")])
+@pytest.mark.parametrize("grid,qtype,bits", [("iq4nl", "IQ4_NL", 4), ("signed", "Q4_0", 4), ("signed", "Q5_0", 5)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, dtype):
+def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, bits, dtype):
     from moeq.export.gguf import ggml_blocks, ggml_type
+    from moeq.ggufread import _rtn_from_blocks
 
     w = _weights(dtype=dtype)
-    q = rtn.quantize(w, 4, 32, True, grid, search=5)
+    q = rtn.quantize(w, bits, 32, True, grid, search=5)
+    back = _rtn_from_blocks(ggml_blocks(q).numpy(), bits, tuple(w.shape), "w", grid)
+    assert torch.equal(back.qdata, q.qdata) and torch.equal(back.scale.float(), q.scale.float())
     assert ggml_type(q) == qtype
     theirs = gguf.quants.dequantize(ggml_blocks(q).numpy(), gguf.GGMLQuantizationType[qtype])
     assert np.array_equal(theirs.reshape(w.shape), q.dequantize(torch.float32).numpy())
@@ -42,17 +45,18 @@ def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, dtype):
     assert torch.equal(q.dequantize(torch.bfloat16), q.dequantize_reference(torch.bfloat16))
 
 
-@pytest.mark.parametrize("grid", ["iq4nl", "signed"])
+@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 4), ("signed", 5)])
 @pytest.mark.parametrize("weighting", ["x2", "row", "mse"])
-def test_native_search_matches_torch_twin(grid, weighting):
+def test_native_search_matches_torch_twin(grid, bits, weighting):
     w = _weights(rows=48, k=256, seed=1)
-    a = rtn.quantize(w, 4, 32, True, grid, search=7, weighting=weighting)
-    b = rtn.quantize(w, 4, 32, True, grid, search=7, weighting=weighting, native=False)
-    vals = torch.tensor(rtn.grid_values(grid), dtype=torch.float32)
+    a = rtn.quantize(w, bits, 32, True, grid, search=7, weighting=weighting)
+    b = rtn.quantize(w, bits, 32, True, grid, search=7, weighting=weighting, native=False)
+    vals = torch.tensor(rtn.grid_values(grid, bits), dtype=torch.float32)
     codes, scale = codebook_search(w.float(), 32, vals, 7, rtn.WEIGHTINGS[weighting])
     assert torch.equal(b.scale, scale) and torch.equal(b.codes(), codes)  # the fallback is the twin itself
     same = (a.scale == b.scale).float().mean()
-    assert same > 0.99  # sums in another order may tip a near-tie candidate
+    # sums in another order may tip a near-tie candidate (32 levels: more candidates land on equal errors)
+    assert same > (0.99 if bits == 4 else 0.85)
     ea, eb = _werr(w, a, weighting), _werr(w, b, weighting)
     assert abs(ea - eb) <= 1e-3 * eb
 
@@ -117,8 +121,8 @@ def test_configs_and_stored_weights_refuse_nonsense():
     assert huge.problems()
 
 
-@pytest.mark.parametrize("qtype,grid", [("IQ4_NL", "iq4nl"), ("Q4_0", "signed")])
-def test_against_llama_cpp_own_quantizer(qtype, grid):
+@pytest.mark.parametrize("qtype,grid,bits", [("IQ4_NL", "iq4nl", 4), ("Q4_0", "signed", 4), ("Q5_0", "signed", 5)])
+def test_against_llama_cpp_own_quantizer(qtype, grid, bits):
     """llama.cpp's own quantizer (the code llama-quantize runs, without an importance matrix) on the same weights:
     its blocks decode (gguf-py) to a larger error than moeq's search under the same criterion (llama.cpp's x^2, or
     plain MSE), and its plain Q4_0 rounding is moeq's q4_0 bit for bit."""
@@ -129,10 +133,20 @@ def test_against_llama_cpp_own_quantizer(qtype, grid):
     x = w.numpy()
     theirs = gguf.quants.dequantize(llama_quantize(x, qtype), gguf.GGMLQuantizationType[qtype]).reshape(x.shape)
     for weighting, wt in (("x2", x * x), ("mse", np.ones_like(x))):  # llama.cpp's own criterion, and plain MSE
-        mine = rtn.quantize(w, 4, 32, True, grid, search=7, weighting=weighting).dequantize(torch.float32).numpy()
+        mine = rtn.quantize(w, bits, 32, True, grid, search=7, weighting=weighting).dequantize(torch.float32).numpy()
         assert (wt * (mine - x) ** 2).sum() < (wt * (theirs - x) ** 2).sum()
-    if qtype == "Q4_0":
+    if grid == "signed":
         from moeq.export.gguf import ggml_blocks
 
-        plain = rtn.quantize(w.half().float(), 4, 32, True, "signed")  # fp16-exact inputs keep scales fp16-exact
-        assert np.array_equal(ggml_blocks(plain).numpy().reshape(128, -1), llama_quantize(w.half().float().numpy(), "Q4_0"))
+        plain = rtn.quantize(w.half().float(), bits, 32, True, "signed")  # fp16-exact inputs keep scales fp16-exact
+        assert np.array_equal(ggml_blocks(plain).numpy().reshape(128, -1), llama_quantize(w.half().float().numpy(), qtype))
+
+
+def test_five_bit_planes():
+    from moeq.formats import packing
+
+    c = torch.randint(0, 32, (3, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    p = packing.pack(c, 5)
+    assert p.shape == (3, 5, 40) and torch.equal(packing.unpack(p, 5), c)
+    assert torch.equal(p[..., :32], packing.pack(c & 15, 4))  # the nibble plane is the 4-bit layout
+    assert p[0, 0, 32] == sum(((int(c[0, 0, i]) >> 4) & 1) << i for i in range(8))  # fifth bits, LSB first

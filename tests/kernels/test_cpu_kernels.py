@@ -8,6 +8,7 @@ from moeq.kernels import cpu_ops, linear, reference
 
 CONFIGS = [RTN(4, 128), RTN(4, 32), RTN(8, 64), RTN(4, 128, symmetric=False), RTN(8, -1, symmetric=False),
            RTN(4, 32, grid="iq4nl", search=3), RTN(4, 64, grid="iq4nl"), RTN(4, 32, grid="signed", search=2),
+           RTN(5, 32, grid="signed", search=3), RTN(5, 128),
            BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, True), Int8()]
 
 
@@ -55,7 +56,8 @@ def _no_fused(ex, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128), RTN(4, 32, symmetric=False), BNB4("nf4", 64, True),
-                                 BNB4("fp4", 32, False), RTN(4, 32, grid="iq4nl")], ids=lambda c: c.label())
+                                 BNB4("fp4", 32, False), RTN(4, 32, grid="iq4nl"), RTN(5, 32, grid="signed")],
+                         ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [6, 40])  # 40 tokens: some experts get more rows than the fused path takes
 def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
     import moeq.nn.experts as ex
@@ -88,7 +90,7 @@ def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 64, symmetric=False), RTN(4, 32, symmetric=False), RTN(8, 128),
-                                 RTN(4, 32, grid="iq4nl", search=3), RTN(4, 128, grid="iq4nl"),
+                                 RTN(4, 32, grid="iq4nl", search=3), RTN(4, 128, grid="iq4nl"), RTN(5, 32, grid="signed"),
                                  BNB4("nf4", 64, True), BNB4("fp4", 128, False)], ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [1, 5])  # 1: every active expert has one row (the kernel's one-row loops)
 def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
@@ -247,7 +249,7 @@ def test_products_written_in_place_equal_fresh(cfg):
 
 
 @pytest.mark.parametrize("cfg", [RTN(4, 128), RTN(4, 32, symmetric=False), RTN(8, 64, symmetric=False), RTN(8, 128),
-                                 RTN(4, 32, grid="iq4nl", search=2),
+                                 RTN(4, 32, grid="iq4nl", search=2), RTN(5, 32, grid="signed", search=2),
                                  BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, False)],
                          ids=lambda c: c.label())
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 2)])  # (batch, tokens): [B, T, K] inputs

@@ -93,15 +93,15 @@ def gguf_lib():
 
 # ---------------------------------------------------------------------------------------------- tensor conversion
 def ggml_type(w: PackedWeight) -> str | None:
-    """``Q4_0``/``Q8_0``/``IQ4_NL`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
-    if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32 or w.bits not in (4, 8):
+    """``Q4_0``/``Q5_0``/``Q8_0``/``IQ4_NL`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
+    if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32 or w.bits not in (4, 5, 8):
         return None
     if w.grid not in ("vllm", "signed", "iq4nl"):
         return None
     d = w.scale.to(torch.float16)
     if not (torch.isfinite(d).all() and torch.equal(d.to(w.scale.dtype), w.scale)):
         return None  # a scale fp16 cannot hold exactly (tiny/huge, or fp32 scales)
-    return "IQ4_NL" if w.grid == "iq4nl" else "Q4_0" if w.bits == 4 else "Q8_0"
+    return "IQ4_NL" if w.grid == "iq4nl" else {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}[w.bits]
 
 
 def ggml_blocks(w: RTNWeight) -> torch.Tensor:
@@ -109,7 +109,11 @@ def ggml_blocks(w: RTNWeight) -> torch.Tensor:
     (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do)."""
     d = w.scale.to(torch.float16)
     blocks = w.codes().unflatten(-1, (-1, 32))  # uint8 codes [..., N, K/32, 32], zero point 2**(bits-1)
-    if w.bits == 4:  # ggml: byte j holds element j (low nibble) and element j+16 (high nibble)
+    if w.bits == 5:  # Q5_0: qh (bit j = element j's fifth bit, little-endian uint32), then Q4_0's nibble layout
+        low, hi = blocks & 15, (blocks >> 4).unflatten(-1, (4, 8))
+        qh = sum(hi[..., i] << i for i in range(8)).to(torch.uint8)
+        qs = torch.cat([qh, low[..., :16] | (low[..., 16:] << 4)], dim=-1)
+    elif w.bits == 4:  # ggml: byte j holds element j (low nibble) and element j+16 (high nibble)
         qs = blocks[..., :16] | (blocks[..., 16:] << 4)
     else:
         qs = (blocks.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)

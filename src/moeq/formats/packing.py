@@ -5,6 +5,8 @@ Layouts (codes ``c[k]`` along the last dim, all little-endian / least-significan
 - 4 bits: ``byte[j] = c[2j] | c[2j+1] << 4`` (even index in the LOW nibble, as vLLM's RTN).
 - 2 bits: ``byte[j] = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6``.
 - 3 bits: eight codes form a 24-bit word ``sum(c[8j+i] << 3i)`` stored as three bytes, low byte first.
+- 5 bits: two planes, the 4-bit layout of the low four bits (``K/2`` bytes), then the fifth bits LSB first
+  (``K/8`` bytes: bit ``i`` of byte ``j`` is ``c[8j+i] >> 4``) — per group of 32, llama.cpp Q5_0's ``qh`` word.
 The last dim must be a multiple of ``codes_per_unit(bits)`` (1, 2, 4 or 8).
 """
 from __future__ import annotations
@@ -14,16 +16,16 @@ import torch
 from moeq.formats.base import choice_error
 from moeq.errors import MoeqError
 
-PACK_BITS = (2, 3, 4, 8)
+PACK_BITS = (2, 3, 4, 5, 8)
 
 
 def codes_per_unit(bits: int) -> int:
     """How many codes share one packed unit (a byte, or 3 bytes for 3-bit)."""
-    return {2: 4, 3: 8, 4: 2, 8: 1}[bits]
+    return {2: 4, 3: 8, 4: 2, 5: 8, 8: 1}[bits]
 
 
 def packed_size(k: int, bits: int) -> int:
-    return {2: k // 4, 3: k // 8 * 3, 4: k // 2, 8: k}[bits]
+    return {2: k // 4, 3: k // 8 * 3, 4: k // 2, 5: k // 8 * 5, 8: k}[bits]
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -36,6 +38,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise MoeqError(f"{bits}-bit packing needs the last dim to be a multiple of {n}, got {k}")
     if bits == 8:
         return codes.to(torch.uint8)
+    if bits == 5:
+        c = codes.to(torch.uint8)
+        hi = (c >> 4).unflatten(-1, (k // 8, 8))
+        plane = hi[..., 0]
+        for i in range(1, 8):
+            plane = plane | (hi[..., i] << i)
+        return torch.cat([pack(c & 0xF, 4), plane], dim=-1)
     c = codes.to(torch.uint8).unflatten(-1, (k // n, n))  # [..., K/n, n]
     if bits == 4:
         return c[..., 0] | (c[..., 1] << 4)
@@ -56,6 +65,11 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         raise choice_error("bit width", bits, PACK_BITS)
     if bits == 8:
         return packed
+    if bits == 5:
+        k = packed.shape[-1] // 5 * 8
+        low = unpack(packed[..., : k // 2], 4)
+        hi = torch.stack([(packed[..., k // 2:] >> i) & 1 for i in range(8)], dim=-1).flatten(-2)
+        return low | (hi << 4)
     if bits == 4:
         return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
     if bits == 2:

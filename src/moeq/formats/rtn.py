@@ -36,7 +36,7 @@ from moeq.formats.codebooks import IQ4NL, SIGNED4
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 from moeq.errors import MoeqError
 
-BITS = (2, 3, 4, 8)
+BITS = (2, 3, 4, 5, 8)
 GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up to 4096 is accepted too
 
 
@@ -47,9 +47,11 @@ CODEBOOKS = {"iq4nl": IQ4NL}  # grids whose values are a table: value = scale * 
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
 
 
-def grid_values(grid: str) -> tuple[int, ...] | None:
-    """The 16 values a 4-bit symmetric grid decodes code 0..15 to, in units of the scale (None: asymmetric)."""
-    return CODEBOOKS.get(grid, SIGNED4 if grid in ("vllm", "signed") else None)
+def grid_values(grid: str, bits: int = 4) -> tuple[int, ...] | None:
+    """The values a symmetric 4/5-bit grid decodes codes 0.. to, in units of the scale (None: asymmetric)."""
+    if grid in CODEBOOKS:
+        return CODEBOOKS[grid]
+    return tuple(range(-(1 << (bits - 1)), 1 << (bits - 1))) if grid in ("vllm", "signed") else None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -112,7 +114,9 @@ class RTNWeight(PackedWeight):
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
         from moeq import native  # noqa: PLC0415
 
-        if self.bits not in (4, 8) or self.scale.dtype not in (torch.bfloat16, torch.float32):
+        if self.bits not in (4, 5, 8) or self.scale.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if self.bits == 5 and self.zero is not None:
             return None
         L = native.lib()
         if L is None or not native.usable(self.qdata, self.scale, self.zero):
@@ -123,11 +127,11 @@ class RTNWeight(PackedWeight):
         rows, ng = self.numel // k, k // gs
         native.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
                  (self.zero, rows * ng), (out, self.numel * out.element_size()))
-        if self.grid in CODEBOOKS:
-            values = torch.tensor(CODEBOOKS[self.grid], dtype=torch.float32)
+        if self.grid in CODEBOOKS or self.bits == 5:
+            values = torch.tensor(grid_values(self.grid, self.bits), dtype=torch.float32)
             L.moeq_cb4_dequant(native.ptr(self.qdata), native.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
-                               native.ptr(values), native.i64(rows), native.i64(k), native.i64(gs), native.ptr(out),
-                               int(dtype == torch.bfloat16))
+                               native.ptr(values), self.bits, native.i64(rows), native.i64(k), native.i64(gs),
+                               native.ptr(out), int(dtype == torch.bfloat16))
             return out
         L.moeq_rtn_dequant(native.ptr(self.qdata), native.ptr(self.scale), int(self.scale.dtype == torch.bfloat16),
                            native.ptr(self.zero), self.bits, native.i64(self.numel // k), native.i64(k), native.i64(gs),
@@ -216,13 +220,13 @@ def quantize(
         raise MoeqError(f"refine works on the 'vllm' symmetric grid or asymmetric grids, not grid={grid!r}")
     if hqq and symmetric:
         raise MoeqError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
-    if symmetric and bits == 4 and (grid in CODEBOOKS or (grid == "signed" and search)):
-        q = _codebook_search(w, grid, gs, search, weighting, group_size, name, importance, native)
+    if symmetric and (grid in CODEBOOKS or (grid == "signed" and search and bits in (4, 5))):
+        q = _codebook_search(w, grid, gs, search, weighting, group_size, name, importance, native, bits)
         if not torch.isfinite(q.scale).all():  # the kernel marks groups holding NaN/Inf
             check_finite(w, name)
         return check_result(q, w, name)
     if search and symmetric and grid != "vllm":
-        raise MoeqError(f"search on grid={grid!r} is the 4-bit codebook search; {bits}-bit has none")
+        raise MoeqError(f"search on grid={grid!r} is the 4/5-bit codebook search; {bits}-bit has none")
     if (native and not (search or refine or hqq) and (grid == "vllm" or not symmetric) and bits in (4, 8)
             and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
         native = _quantize_native(w, bits, gs, symmetric)
@@ -323,34 +327,36 @@ def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):
 
 
 def _codebook_search(w: torch.Tensor, grid: str, gs: int, ntry: int, weighting: str, group_size: int,
-                     name: str | None, importance: torch.Tensor | None = None, native_ok: bool = True) -> RTNWeight:
+                     name: str | None, importance: torch.Tensor | None = None, native_ok: bool = True,
+                     nbits: int = 4) -> RTNWeight:
     """4-bit symmetric codebook grids (``iq4nl``, ``signed``) through the importance-weighted scale search: native
     (``moeq_cb4_search``), else its plain-torch twin :func:`moeq.formats.search.codebook_search`."""
     from moeq import native  # noqa: PLC0415
 
     k = w.shape[-1]
-    values = torch.tensor(grid_values(grid), dtype=torch.float32)
+    bits = nbits if grid == "signed" else 4
+    values = torch.tensor(grid_values(grid, bits), dtype=torch.float32)
     wc = w.contiguous()
     L = native.lib() if w.device.type == "cpu" and native_ok else None
     if L is not None and wc.dtype in (torch.bfloat16, torch.float32) and gs % 16 == 0 and native.usable(wc):
         rows = wc.numel() // k
-        qdata = torch.empty(*w.shape[:-1], k // 2, dtype=torch.uint8)
+        qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
         scale = torch.empty(*w.shape[:-1], k // gs, dtype=torch.bfloat16)
         L.moeq_cb4_search(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs),
-                          native.ptr(values), int(ntry), WEIGHTINGS[weighting], native.ptr(importance), native.ptr(qdata),
+                          native.ptr(values), values.numel(), int(ntry), WEIGHTINGS[weighting], native.ptr(importance), native.ptr(qdata),
                           native.ptr(scale))
     else:
         from moeq.formats.search import codebook_search  # noqa: PLC0415
 
         check_finite(w, name)
         rows = wc.reshape(-1, k)
-        qdata = torch.empty(rows.shape[0], k // 2, dtype=torch.uint8, device=w.device)
+        qdata = torch.empty(rows.shape[0], packed_size(k, bits), dtype=torch.uint8, device=w.device)
         scale = torch.empty(rows.shape[0], k // gs, dtype=torch.bfloat16, device=w.device)
         for a, b in row_chunks(rows.shape[0], k):
             q, s = codebook_search(rows[a:b].float(), gs, values.to(w.device), ntry, WEIGHTINGS[weighting],
                                    None if importance is None else importance.to(w.device))
-            qdata[a:b] = pack(q, 4)
+            qdata[a:b] = pack(q, bits)
             scale[a:b] = s
         qdata, scale = qdata.reshape(*w.shape[:-1], -1), scale.reshape(*w.shape[:-1], -1)
-    return RTNWeight(qdata=qdata, scale=scale.to(w.dtype), zero=None, bits=4, group_size=group_size, grid=grid,
+    return RTNWeight(qdata=qdata, scale=scale.to(w.dtype), zero=None, bits=bits, group_size=group_size, grid=grid,
                      shape=tuple(w.shape), dtype=w.dtype)

@@ -56,7 +56,7 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
              max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
     L = native.lib()
-    if m is None or L is None or w.bits not in (4, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32):
+    if m is None or L is None or w.bits not in (4, 5, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32):
         return None
     if not native.usable(w.qdata, w.scale, w.zero):
         return None
@@ -66,6 +66,8 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
     table = codebook_of(w, gs)
     if table is not None:
         return _codebook_gemv(L, table, w, x, m, n, k, gs, bias)
+    if w.bits == 5:
+        return None
     if x.dtype == torch.bfloat16 and gs % 32 == 0 and native.has_dpbf16():  # AVX512-BF16 dot products
         xb = x.reshape(m, k).contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
@@ -102,11 +104,11 @@ def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int,
     if x.dtype == torch.bfloat16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0) and native.has_dpbf16():
         xb = _perm64(x.reshape(m, k).contiguous())
         if L.moeq_cb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, native.ptr(lut),
-                                native.i64(n), native.i64(k), native.i64(gs), native.ptr(y)):
+                                native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y)):
             return _finish(y, x, n, bias)
     xf = x.reshape(m, k).float().contiguous()
     L.moeq_cb4_gemv(native.ptr(xf), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, native.ptr(values),
-                    native.i64(n), native.i64(k), native.i64(gs), native.ptr(y))
+                    native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y))
     return _finish(y, x, n, bias)
 
 

@@ -35,7 +35,8 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
 @describer("rtn")
 def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
     gs = k if w.group_size == -1 else w.group_size
-    if w.bits not in (4, 8) or gs % 32 or w.scale.dtype not in (torch.bfloat16, torch.float32):
+    if (w.bits not in (4, 8) and codebook_of(w, gs) is None) or gs % 32 or w.scale.dtype not in (
+            torch.bfloat16, torch.float32):
         return None
     if not native.usable(w.qdata, w.scale, w.zero):
         return None
@@ -62,14 +63,17 @@ def codebook_of(w: RTNWeight, gs: int) -> str | None:
         return w.grid
     if w.bits == 4 and w.zero is None and gs == 32:
         return "signed"
+    if w.bits == 5 and w.zero is None:  # the 5-bit grids only run as codebooks (value = scale * (q - 16))
+        return "signed5"
     return None
 
 
 @functools.cache
 def codebook_tables(grid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A codebook grid's 16 values (fp32) and, for the AVX512-BF16 kernels, as bf16 words twice (32 x int16)."""
-    values = torch.tensor(grid_values(grid), dtype=torch.float32)
-    return values, values.to(torch.bfloat16).view(torch.int16).repeat(2).contiguous()
+    """A codebook's values (fp32: 16, or 32 for ``signed5``) and, for the AVX512-BF16 kernels, as 32 bf16 words
+    (a 16-value table twice)."""
+    values = torch.tensor(grid_values("signed", 5) if grid == "signed5" else grid_values(grid), dtype=torch.float32)
+    return values, values.to(torch.bfloat16).view(torch.int16).repeat(32 // values.numel()).contiguous()
 
 
 @describer("bnb4")
@@ -127,7 +131,8 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
 
 def _expert_parallel(s13: WStack, s2: WStack) -> bool:
     """4-bit RTN experts with bf16 activations: the layer kernel parallel across experts."""
-    return s13.fmt == s2.fmt == Fmt.RTN and s13.bits == s2.bits == 4 and bool(s13.dot_bf16 and s2.dot_bf16)
+    return (s13.fmt == s2.fmt == Fmt.RTN and all(s.bits == 4 or s.lut for s in (s13, s2))
+            and bool(s13.dot_bf16 and s2.dot_bf16))
 
 
 def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:

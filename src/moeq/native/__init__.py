@@ -74,8 +74,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bnb4_quantize": (None, [_P, _INT, _I, _I, _P, _P, _P, _P]),
     "moeq_bnb4_dequant": (None, [_P, _P, _P, _I, _I, _P, _INT]),
     "moeq_bnb4_resolve_absmax": (None, [_P, _P, _P, _P, _I, _I, _P]),
-    "moeq_cb4_search": (None, [_P, _INT, _I, _I, _I, _P, _INT, _INT, _P, _P, _P]),
-    "moeq_cb4_dequant": (None, [_P, _P, _INT, _P, _I, _I, _I, _P, _INT]),
+    "moeq_cb4_search": (None, [_P, _INT, _I, _I, _I, _P, _INT, _INT, _INT, _P, _P, _P]),
+    "moeq_cb4_dequant": (None, [_P, _P, _INT, _P, _INT, _I, _I, _I, _P, _INT]),
     "moeq_int8_dequant": (None, [_P, _P, _I, _I, _P, _INT]),
     # gemv.c
     "moeq_has_dpbf16": (_INT, []),
@@ -85,8 +85,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bf16_gemv": (_INT, [_P, _I, _P, _I, _I, _P]),
     "moeq_bnb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _P, _I, _I, _I, _P]),
     "moeq_bnb4_gemv": (None, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _P]),
-    "moeq_cb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _P]),
-    "moeq_cb4_gemv": (None, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _P]),
+    "moeq_cb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _INT, _P]),
+    "moeq_cb4_gemv": (None, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _INT, _P]),
     "moeq_int8_gemv": (None, [_P, _I, _P, _P, _I, _I, _P]),
     # moe.c
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),

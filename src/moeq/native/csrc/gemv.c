@@ -481,15 +481,15 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 }
 
 
-// y[M, N] = x @ dequant(W)^T for the 4-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x bf16
-// in x_to_bf16's permuted order, K % 64 == 0, gs 32 or a multiple of 64. lut: the 16 values as bf16, twice (32
-// words). Returns 0 (nothing written) without AVX512-BF16.
+// y[M, N] = x @ dequant(W)^T for the 4/5-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x
+// bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 32 or a multiple of 64. lut: the values as bf16 (32 words: 16
+// values twice, or 32). Returns 0 (nothing written) without AVX512-BF16.
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
-                       const uint16_t* lut, i64 N, i64 K, i64 gs, float* y) {
+                       const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y) {
 #if defined(__AVX512BF16__)
     if (M == 1) {
 #pragma omp parallel for schedule(static)
-        for (i64 n = 0; n < N; n++) cb4_row_bf16(xb, 1, q, scale, scale_bf16, lut, n, K, gs, y + n);
+        for (i64 n = 0; n < N; n++) cb4_row_bf16(xb, 1, q, scale, scale_bf16, lut, n, K, gs, bits, y + n);
         return 1;
     }
 #pragma omp parallel for schedule(static)
@@ -497,31 +497,37 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
         for (i64 m0 = 0; m0 < M; m0 += 8) {
             const i64 mc = M - m0 < 8 ? M - m0 : 8;
             float out[8];
-            cb4_row_bf16(xb + m0 * K, mc, q, scale, scale_bf16, lut, n, K, gs, out);
+            cb4_row_bf16(xb + m0 * K, mc, q, scale, scale_bf16, lut, n, K, gs, bits, out);
             for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
         }
     return 1;
 #else
-    (void)xb; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)lut; (void)N; (void)K; (void)gs; (void)y;
+    (void)xb; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)lut; (void)N; (void)K; (void)gs; (void)bits;
+    (void)y;
     return 0;
 #endif
 }
 
-// The same in fp32 for any CPU: x [M, K] in order, gs % 2 == 0.
+// The same in fp32 for any CPU: x [M, K] in order, gs % 8 == 0.
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
-                   i64 N, i64 K, i64 gs, float* y) {
-    const i64 G = K / gs;
+                   i64 N, i64 K, i64 gs, int bits, float* y) {
+    const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
 #pragma omp parallel for schedule(static)
     for (i64 n = 0; n < N; n++)
         for (i64 m = 0; m < M; m++) {
             const float* xx = x + m * K;
+            const uint8_t* hb = q + n * rowb + K / 2;
             float acc = 0.f;
             for (i64 g = 0; g < G; g++) {
-                const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+                const uint8_t* qq = q + n * rowb + g * gs / 2;
                 const float* xg = xx + g * gs;
                 float a = 0.f;
-#pragma omp simd reduction(+ : a)
-                for (i64 j = 0; j < gs / 2; j++) a += values[qq[j] & 15] * xg[2 * j] + values[qq[j] >> 4] * xg[2 * j + 1];
+                for (i64 j = 0; j < gs / 2; j++) {
+                    const i64 k0 = g * gs + 2 * j;
+                    const int h0 = bits == 5 ? ((hb[k0 >> 3] >> (k0 & 7)) & 1) << 4 : 0;
+                    const int h1 = bits == 5 ? ((hb[(k0 + 1) >> 3] >> ((k0 + 1) & 7)) & 1) << 4 : 0;
+                    a += values[(qq[j] & 15) | h0] * xg[2 * j] + values[(qq[j] >> 4) | h1] * xg[2 * j + 1];
+                }
                 acc += a * load_scale(scale, scale_bf16, n * G + g);
             }
             y[m * N + n] = acc;

@@ -20,16 +20,17 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
-    if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 4-bit codebook grid
+    if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 4/5-bit codebook grid
         const i64 G = K / w->gs;
         const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        const uint8_t* q = w->q + e * N * (w->bits == 5 ? K / 8 * 5 : K / 2);
         if (w->dot_bf16) {  // the describer sets it only for K % 64 == 0, gs 32 or a multiple of 64
             uint16_t* xb = (uint16_t*)scratch;
             float* xs = scratch + m * K;
             for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 1, xb + r * K, xs + r * G);
-            if (moeq_cb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), sc, w->scale_bf16, w->lut, N, K, w->gs, y)) return;
+            if (moeq_cb4_gemv_bf16(xb, m, q, sc, w->scale_bf16, w->lut, N, K, w->gs, w->bits, y)) return;
         }
-        moeq_cb4_gemv(x, m, w->q + e * (N * K / 2), sc, w->scale_bf16, w->values, N, K, w->gs, y);
+        moeq_cb4_gemv(x, m, q, sc, w->scale_bf16, w->values, N, K, w->gs, w->bits, y);
     } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->dot_bf16) {
         const i64 G = K / w->gs;
         uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
@@ -157,8 +158,9 @@ static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, con
     for (i64 t = 0; t < A * N; t++) {
         const i64 a = t / N, n = t % N, e = act[a];
         if (w->lut)
-            cb4_row_bf16(xb + a * 8 * K, 1, w->q + e * (N * K / 2), (const char*)w->scale + e * N * G * sb,
-                         w->scale_bf16, w->lut, n, K, w->gs, y + a * 8 * N + n);
+            cb4_row_bf16(xb + a * 8 * K, 1, w->q + e * N * (w->bits == 5 ? K / 8 * 5 : K / 2),
+                         (const char*)w->scale + e * N * G * sb, w->scale_bf16, w->lut, n, K, w->gs, w->bits,
+                         y + a * 8 * N + n);
         else
             y[a * 8 * N + n] = rtn4_row1_p64(xb + a * 8 * K, xs + a * 8 * G, w->q + e * (N * K / 2),
                                              (const char*)w->scale + e * N * G * sb, w->scale_bf16,
@@ -243,13 +245,13 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     for (i64 t = 0; t < A * I2; t++) {
         const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
         float zt[8] = {0}, o[8] = {0};
-        const uint8_t* q = w13->q + e * (I2 * H / 2);
+        const uint8_t* q = w13->q + e * I2 * (w13->bits == 5 ? H / 8 * 5 : H / 2);
         const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
         const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
         const uint16_t* xa = xb + a * 8 * H;
         const float* xsa = xs + a * 8 * G1;
 #if defined(__AVX512BF16__)
-        if (w13->lut) cb4_row_bf16(xa, m, q, sc, w13->scale_bf16, w13->lut, n, H, w13->gs, o);
+        if (w13->lut) cb4_row_bf16(xa, m, q, sc, w13->scale_bf16, w13->lut, n, H, w13->gs, w13->bits, o);
         else rtn4_row_bf16(p13, xa, xsa, m, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt);
 #endif
         for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
@@ -268,11 +270,11 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     for (i64 t = 0; t < A * H; t++) {
         const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
         float zt[8] = {0}, o[8] = {0};
-        const uint8_t* q = w2->q + e * (H * I / 2);
+        const uint8_t* q = w2->q + e * H * (w2->bits == 5 ? I / 8 * 5 : I / 2);
         const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
         const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
 #if defined(__AVX512BF16__)
-        if (w2->lut) cb4_row_bf16(ab + a * 8 * I, m, q, sc, w2->scale_bf16, w2->lut, n, I, w2->gs, o);
+        if (w2->lut) cb4_row_bf16(ab + a * 8 * I, m, q, sc, w2->scale_bf16, w2->lut, n, I, w2->gs, w2->bits, o);
         else rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * G2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
 #endif
         for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
@@ -318,7 +320,8 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && w13->bits == 4 && w2->bits == 4 && w13->dot_bf16 && w2->dot_bf16)
+        if (w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && (w13->bits == 4 || w13->lut) &&
+            (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
             moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
         else
             moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);

@@ -107,10 +107,10 @@ void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* 
                        int out_bf16);
 void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, const float* nested_code,
                               const float* offset, i64 S, i64 nb, float* out);
-void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int ntry, int weighting,
-                     const float* colw, uint8_t* q, uint16_t* scale);
-void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, i64 rows, i64 K,
-                      i64 gs, void* out, int out_bf16);
+void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, int ntry,
+                     int weighting, const float* colw, uint8_t* q, uint16_t* scale);
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, int bits, i64 rows,
+                      i64 K, i64 gs, void* out, int out_bf16);
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
 // ---- exports (gemv.c) ----
 int moeq_has_dpbf16(void);
@@ -126,9 +126,9 @@ int moeq_bnb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* packed, const 
 void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
                     const float* code, i64 N, i64 K, i64 bs, float* y);
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
-                       const uint16_t* lut, i64 N, i64 K, i64 gs, float* y);
+                       const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y);
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
-                   i64 N, i64 K, i64 gs, float* y);
+                   i64 N, i64 K, i64 gs, int bits, float* y);
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
 // ---- exports (moe.c) ----
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,

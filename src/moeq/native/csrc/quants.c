@@ -298,14 +298,17 @@ void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, cons
 }
 
 
-// ---------------------------------------------------------------- 4-bit codebook (iq4nl / signed) --------------
-// value = scale * values[code], 16 values sorted ascending, one scale per group, no zero point: llama.cpp's IQ4_NL
-// (values kvalues_iq4nl) and Q4_0 (values -8..7) blocks. Codes pack two per byte, even element in the LOW nibble.
+// ---------------------------------------------------------------- 4/5-bit codebooks (iq4nl / signed) ----------
+// value = scale * values[code], nv = 16 or 32 values sorted ascending, one scale per group, no zero point:
+// llama.cpp's IQ4_NL (values kvalues_iq4nl), Q4_0 (values -8..7) and Q5_0 (values -16..15) blocks. Rows: the low
+// four bits two per byte, even element in the LOW nibble (K/2 bytes); with 32 values then the fifth bits, LSB first
+// (K/8 bytes; per group of 32 llama.cpp Q5_0's qh word).
 
-// The nearest value's index for each y (ties to the lower index): a 4-step binary search over the 15 midpoints.
-static inline __attribute__((unused)) int cb4_nearest(const float* mid, float y) {
+// The nearest value's index for y (ties to the lower index): a binary search over the nv - 1 midpoints (mid[nv-1..]
+// are +inf).
+static inline __attribute__((unused)) int cb4_nearest(const float* mid, int nv, float y) {
     int i = 0;
-    for (int step = 8; step; step >>= 1)
+    for (int step = nv / 2; step; step >>= 1)
         if (y > mid[i + step - 1]) i += step;
     return i;
 }
@@ -314,12 +317,25 @@ static inline __attribute__((unused)) int cb4_nearest(const float* mid, float y)
 // The nearest index for 16 values at once. Fast form (when every gap between midpoints exceeds the bucket width):
 // 32 buckets of width w from lo = mid[0] - w/2, w = (mid[14] - mid[0]) / 30, hold at most one midpoint each;
 // index = base[bucket] + (y > that midpoint): two 32-entry table lookups instead of a 4-step binary search.
-typedef struct { int fast; __m512 midv, bm0, bm1; __m512i base0, base1; float lo, inv_w; } cb4_index;
+// Tables of consecutive integers (the signed grids) take index = ceil(y - v0 - 0.5), clamped: no lookups at all.
+typedef struct {
+    int fast, uniform, nv;
+    __m512 midv, mid1, bm0, bm1, tab0, tab1;
+    __m512i base0, base1;
+    float lo, inv_w, v0;
+} cb4_index;
 
-static void cb4_index_init(cb4_index* ix, const float* mid) {
+static void cb4_index_init(cb4_index* ix, const float* mid, const float* values, int nv) {
+    ix->nv = nv;
     ix->midv = _mm512_loadu_ps(mid);
+    ix->mid1 = _mm512_loadu_ps(mid + 16);
+    ix->tab0 = _mm512_loadu_ps(values);
+    ix->tab1 = nv == 32 ? _mm512_loadu_ps(values + 16) : ix->tab0;
+    ix->v0 = values[0];
+    ix->uniform = 1;
+    for (int j = 1; j < nv; j++) ix->uniform &= values[j] == values[0] + (float)j;
     const float w = (mid[14] - mid[0]) / 30.f;
-    ix->fast = w > 0.f;
+    ix->fast = nv == 16 && w > 0.f;
     for (int j = 0; j < 14; j++) ix->fast &= mid[j + 1] - mid[j] > 1.01f * w;
     if (!ix->fast) return;
     ix->lo = mid[0] - 0.5f * w;
@@ -342,6 +358,11 @@ static void cb4_index_init(cb4_index* ix, const float* mid) {
 }
 
 static inline __m512i cb4_nearest16(const cb4_index* ix, __m512 y) {
+    if (ix->uniform) {
+        const __m512i i = _mm512_cvtps_epi32(_mm512_roundscale_ps(
+            _mm512_sub_ps(y, _mm512_set1_ps(ix->v0 + 0.5f)), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+        return _mm512_min_epi32(_mm512_max_epi32(i, _mm512_setzero_si512()), _mm512_set1_epi32(ix->nv - 1));
+    }
     if (ix->fast) {
         __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(ix->lo)), _mm512_set1_ps(ix->inv_w)));
         b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(31));
@@ -350,21 +371,27 @@ static inline __m512i cb4_nearest16(const cb4_index* ix, __m512 y) {
         return _mm512_mask_add_epi32(i, up, i, _mm512_set1_epi32(1));
     }
     __m512i i = _mm512_setzero_si512();
-    for (int step = 8; step; step >>= 1) {
+    for (int step = ix->nv / 2; step; step >>= 1) {
         const __m512i probe = _mm512_add_epi32(i, _mm512_set1_epi32(step - 1));
-        const __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(probe, ix->midv), _CMP_GT_OQ);
+        const __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(ix->midv, probe, ix->mid1), _CMP_GT_OQ);
         i = _mm512_mask_add_epi32(i, up, i, _mm512_set1_epi32(step));
     }
     return i;
 }
+
+static inline __m512 cb4_value16(const cb4_index* ix, __m512i i) {
+    if (ix->uniform) return _mm512_add_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(ix->v0));
+    return ix->nv == 32 ? _mm512_permutex2var_ps(ix->tab0, i, ix->tab1) : _mm512_permutexvar_ps(i, ix->tab0);
+}
 #endif
 
 // sum w*v[L]*x and sum w*v[L]^2 for the codes L nearest x*id (written to L when L != NULL); scalar form.
-static inline __attribute__((unused)) void cb4_sums(const float* x, const float* wt, i64 n, const float* values, const float* mid, float id,
-                            float* sqx, float* sq2, uint8_t* L) {
+static inline __attribute__((unused)) void cb4_sums(const float* x, const float* wt, i64 n, const float* values,
+                                                     const float* mid, int nv, float id, float* sqx, float* sq2,
+                                                     uint8_t* L) {
     float a = 0.f, b = 0.f;
     for (i64 k = 0; k < n; k++) {
-        const int i = cb4_nearest(mid, x[k] * id);
+        const int i = cb4_nearest(mid, nv, x[k] * id);
         a += wt[k] * values[i] * x[k];
         b += wt[k] * values[i] * values[i];
         if (L) L[k] = (uint8_t)i;
@@ -403,10 +430,9 @@ static inline float cb4_weight(int weighting, float x, float sigma2) {
 // source), so no horizontal sums and independent chains; writes their scales and packed codes. xt, wt: gs * 16
 // floats; codes: gs * 32 bytes.
 static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, const float* sig, int weighting,
-                        const float* colw,
-                        const float* values, const cb4_index* ix, int ntry, int zi, float* xt, float* wt,
-                        uint8_t* codes, uint8_t* q, uint16_t* scale) {
-    const __m512 zero = _mm512_setzero_ps(), tab = _mm512_loadu_ps(values);
+                        const float* colw, const float* values, const cb4_index* ix, int ntry, int zi, float* xt,
+                        float* wt, uint8_t* codes, uint8_t* q, i64 K, i64 rowb, uint16_t* scale) {
+    const __m512 zero = _mm512_setzero_ps();
     const __mmask16 in = nl == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nl) - 1);
     const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)gs));
@@ -474,14 +500,31 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
             const __m512 idv = _mm512_maskz_div_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), safe);
             __m512 a0 = zero, b0v = zero, a1 = zero, b1v = zero;
             i64 k = 0;
-            if (ix->fast) {
+            if (ix->uniform) {
+                const __m512 off = _mm512_set1_ps(ix->v0 + 0.5f), top = _mm512_set1_ps((float)(ix->nv - 1));
+                const __m512 v0f = _mm512_set1_ps(ix->v0);
+                for (; k + 2 <= gs; k += 2) {  // index = clamp(ceil(y - v0 - 0.5)), value = v0 + index
+                    const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
+                    const __m512 c0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_sub_ps(
+                        _mm512_mul_ps(x0, idv), off), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC), zero), top);
+                    const __m512 c1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_sub_ps(
+                        _mm512_mul_ps(x1, idv), off), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC), zero), top);
+                    const __m512 v0 = _mm512_add_ps(c0, v0f), v1 = _mm512_add_ps(c1, v0f);
+                    const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
+                    const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
+                    a0 = _mm512_fmadd_ps(w0, x0, a0);
+                    b0v = _mm512_fmadd_ps(w0, v0, b0v);
+                    a1 = _mm512_fmadd_ps(w1, x1, a1);
+                    b1v = _mm512_fmadd_ps(w1, v1, b1v);
+                }
+            } else if (ix->fast) {
                 for (; k + 2 <= gs; k += 2) {
                     const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
                     const __m512 y0 = _mm512_mul_ps(x0, idv), y1 = _mm512_mul_ps(x1, idv);
                     __m512i i0, i1;
                     CB4_FAST(y0, i0);
                     CB4_FAST(y1, i1);
-                    const __m512 v0 = _mm512_permutexvar_ps(i0, tab), v1 = _mm512_permutexvar_ps(i1, tab);
+                    const __m512 v0 = _mm512_permutexvar_ps(i0, ix->tab0), v1 = _mm512_permutexvar_ps(i1, ix->tab0);
                     const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
                     const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
                     a0 = _mm512_fmadd_ps(w0, x0, a0);
@@ -492,7 +535,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
             }
             for (; k < gs; k++) {
                 const __m512 xv = _mm512_loadu_ps(xt + k * 16);
-                const __m512 v = _mm512_permutexvar_ps(cb4_nearest16(ix, _mm512_mul_ps(xv, idv)), tab);
+                const __m512 v = cb4_value16(ix, cb4_nearest16(ix, _mm512_mul_ps(xv, idv)));
                 const __m512 wv = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v);
                 a0 = _mm512_fmadd_ps(wv, xv, a0);
                 b0v = _mm512_fmadd_ps(wv, v, b0v);
@@ -524,8 +567,8 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     for (i64 k = 0; k < gs; k++) {
         const __m512 xv = _mm512_loadu_ps(xt + k * 16), wv = _mm512_loadu_ps(wt + k * 16);
         const __m512i i1 = cb4_nearest16(ix, _mm512_mul_ps(xv, id1)), i2 = cb4_nearest16(ix, _mm512_mul_ps(xv, id2));
-        const __m512 r1 = _mm512_fnmadd_ps(dsv, _mm512_permutexvar_ps(i1, tab), xv);
-        const __m512 r2 = _mm512_fnmadd_ps(dsv, _mm512_permutexvar_ps(i2, tab), xv);
+        const __m512 r1 = _mm512_fnmadd_ps(dsv, cb4_value16(ix, i1), xv);
+        const __m512 r2 = _mm512_fnmadd_ps(dsv, cb4_value16(ix, i2), xv);
         e1 = _mm512_fmadd_ps(_mm512_mul_ps(wv, r1), r1, e1);
         e2 = _mm512_fmadd_ps(_mm512_mul_ps(wv, r2), r2, e2);
         _mm_storeu_si128((__m128i*)(codes + k * 16), _mm512_cvtepi32_epi8(i1));
@@ -533,32 +576,44 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     }
     const __mmask16 take2 = _mm512_cmp_ps_mask(e2, e1, _CMP_LE_OQ);
     const __mmask16 dead = bad | (__mmask16)~live;  // all-zero or non-finite groups: code zi everywhere
-    const __m128i zc = _mm_set1_epi8((char)zi);
-    for (i64 j = 0; j < gs / 2; j++) {  // packed pairs [j][lane], then written out per lane
-        __m128i c0 = _mm_mask_blend_epi8(take2, _mm_loadu_si128((const __m128i*)(codes + 2 * j * 16)),
-                                         _mm_loadu_si128((const __m128i*)(codes + (gs + 2 * j) * 16)));
-        __m128i c1 = _mm_mask_blend_epi8(take2, _mm_loadu_si128((const __m128i*)(codes + (2 * j + 1) * 16)),
-                                         _mm_loadu_si128((const __m128i*)(codes + (gs + 2 * j + 1) * 16)));
-        c0 = _mm_mask_blend_epi8(dead, c0, zc);
-        c1 = _mm_mask_blend_epi8(dead, c1, zc);
-        _mm_storeu_si128((__m128i*)(codes + j * 16), _mm_or_si128(c0, _mm_slli_epi16(c1, 4)));
+    const __m128i zc = _mm_set1_epi8((char)zi), lo4 = _mm_set1_epi8(15);
+    for (i64 k = 0; k < gs; k++) {  // the final codes [k][lane], in place
+        __m128i c = _mm_mask_blend_epi8(take2, _mm_loadu_si128((const __m128i*)(codes + k * 16)),
+                                        _mm_loadu_si128((const __m128i*)(codes + (gs + k) * 16)));
+        _mm_storeu_si128((__m128i*)(codes + k * 16), _mm_mask_blend_epi8(dead, c, zc));
     }
     for (int l = 0; l < nl; l++) {
-        uint8_t* o = q + (b0 + l) * (gs / 2);
-        for (i64 j = 0; j < gs / 2; j++) o[j] = codes[j * 16 + l];
-        scale[b0 + l] = (bad >> l) & 1 ? (uint16_t)0x7fc0 : (live >> l) & 1 ? f2bf_finite(ds[l]) : 0;
+        const i64 b = b0 + l, r = b / G, g = b % G;
+        scale[b] = (bad >> l) & 1 ? (uint16_t)0x7fc0 : (live >> l) & 1 ? f2bf_finite(ds[l]) : 0;
+        if (ix->nv == 32) {  // fifth bits, LSB first
+            uint8_t* h = q + r * rowb + K / 2 + g * gs / 8;
+            for (i64 m = 0; m < gs / 8; m++) {
+                uint8_t byte = 0;
+                for (int i = 0; i < 8; i++) byte |= (uint8_t)(((codes[(8 * m + i) * 16 + l] >> 4) & 1) << i);
+                h[m] = byte;
+            }
+        }
     }
-    (void)G;
+    for (i64 j = 0; j < gs / 2; j++) {  // low nibbles: packed pairs [j][lane], then written out per lane
+        const __m128i c0 = _mm_and_si128(_mm_loadu_si128((const __m128i*)(codes + 2 * j * 16)), lo4);
+        const __m128i c1 = _mm_and_si128(_mm_loadu_si128((const __m128i*)(codes + (2 * j + 1) * 16)), lo4);
+        _mm_storeu_si128((__m128i*)(codes + (gs + j) * 16), _mm_or_si128(c0, _mm_slli_epi16(c1, 4)));
+    }
+    for (int l = 0; l < nl; l++) {
+        const i64 b = b0 + l;
+        uint8_t* o = q + (b / G) * rowb + (b % G) * gs / 2;
+        for (i64 j = 0; j < gs / 2; j++) o[j] = codes[(gs + j) * 16 + l];
+    }
 }
 #else
 // One group (the scalar form of cb4_search16).
-static void cb4_search1(const float* x, const float* wt, i64 gs, const float* values, const float* mid, int ntry,
-                        float mx, float* dout, uint8_t* L, uint8_t* Lb) {
+static void cb4_search1(const float* x, const float* wt, i64 gs, const float* values, const float* mid, int nv,
+                        int ntry, float mx, float* dout, uint8_t* L, uint8_t* Lb) {
     float best = -1.f, d = 0.f, sqx, sq2;
     for (int s = 1; s >= -1; s -= 2)
         for (int t = -ntry; t <= ntry; t++) {
             const float id = mx != 0.f ? (float)s * values[0] * (1.f - (float)t / 127.f) / mx : 0.f;
-            cb4_sums(x, wt, gs, values, mid, id, &sqx, &sq2, L);
+            cb4_sums(x, wt, gs, values, mid, nv, id, &sqx, &sq2, L);
             if (sq2 > 0.f && sqx * sqx > best * sq2) {
                 d = sqx / sq2;
                 best = d * sqx;
@@ -567,10 +622,10 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
         }
     if (best < 0.f) {
         d = mx / values[0];
-        cb4_sums(x, wt, gs, values, mid, d != 0.f ? 1.f / d : 0.f, &sqx, &sq2, Lb);
+        cb4_sums(x, wt, gs, values, mid, nv, d != 0.f ? 1.f / d : 0.f, &sqx, &sq2, Lb);
     }
     const float ds = cb4_store_scale(d);
-    cb4_sums(x, wt, gs, values, mid, ds != 0.f ? 1.f / ds : 0.f, &sqx, &sq2, L);
+    cb4_sums(x, wt, gs, values, mid, nv, ds != 0.f ? 1.f / ds : 0.f, &sqx, &sq2, L);
     if (cb4_err(x, wt, gs, values, Lb, ds) < cb4_err(x, wt, gs, values, L, ds)) memcpy(L, Lb, (size_t)gs);
     *dout = ds;
 }
@@ -583,14 +638,13 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
 // importance matrix), 2 sigma2 + x^2 (sigma2 = the row's mean square); times colw[k] per input column k when colw
 // is given (>= 0, finite: e.g. the preceding norm's scale squared). A group holding NaN/Inf gets a NaN scale.
 // gs <= 4096 (16 <= gs and gs % 16 == 0 for the AVX512 form).
-void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int ntry, int weighting,
-                     const float* colw, uint8_t* q, uint16_t* scale) {
-    const i64 G = K / gs, NB = rows * G;
-    float mid[16];
-    for (int j = 0; j < 15; j++) mid[j] = 0.5f * (values[j] + values[j + 1]);
-    mid[15] = INFINITY;
+void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, int ntry,
+                     int weighting, const float* colw, uint8_t* q, uint16_t* scale) {
+    const i64 G = K / gs, NB = rows * G, rowb = nv == 32 ? K / 8 * 5 : K / 2;
+    float mid[32];
+    for (int j = 0; j < 32; j++) mid[j] = j < nv - 1 ? 0.5f * (values[j] + values[j + 1]) : INFINITY;
     int zi = 0;  // the code nearest zero (an all-zero or non-finite group)
-    for (int j = 1; j < 16; j++) if (fabsf(values[j]) < fabsf(values[zi])) zi = j;
+    for (int j = 1; j < nv; j++) if (fabsf(values[j]) < fabsf(values[zi])) zi = j;
     float* sig = (float*)calloc((size_t)rows, sizeof(float));
     if (weighting == 2) {
 #pragma omp parallel for schedule(static)
@@ -605,7 +659,7 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
     }
 #if defined(__AVX512F__)
     cb4_index ix;
-    cb4_index_init(&ix, mid);
+    cb4_index_init(&ix, mid, values, nv);
 #pragma omp parallel
     {
         float* xt = (float*)malloc((size_t)gs * 16 * sizeof(float));
@@ -617,7 +671,8 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
             const int nl = NB - b0 < 16 ? (int)(NB - b0) : 16;
             float s2[16] = {0};
             for (int l = 0; l < nl; l++) s2[l] = sig[(b0 + l) / G];
-            cb4_chunk16(w, bf16, b0, nl, G, gs, s2, weighting, colw, values, &ix, ntry, zi, xt, wt, codes, q, scale);
+            cb4_chunk16(w, bf16, b0, nl, G, gs, s2, weighting, colw, values, &ix, ntry, zi, xt, wt, codes, q, K, rowb,
+                        scale);
         }
         free(xt);
         free(wt);
@@ -640,14 +695,22 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
                 if (a > amax) { amax = a; mx = x[k]; }
                 wt[k] = cb4_weight(weighting, x[k], sig[b / G]) * (colw ? colw[(b % G) * gs + k] : 1.f);
             }
-            uint8_t* o = q + b * (gs / 2);
+            const i64 r = b / G, g = b % G;
+            uint8_t* o = q + r * rowb + g * gs / 2;
             if (bad || mx == 0.f) {
                 scale[b] = bad ? (uint16_t)0x7fc0 : 0;
-                for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)(zi | (zi << 4));
-                continue;
+                for (i64 k = 0; k < gs; k++) codes[k] = (uint8_t)zi;
+            } else {
+                cb4_search1(x, wt, gs, values, mid, nv, ntry, mx, &ds, codes, codes + gs);
             }
-            cb4_search1(x, wt, gs, values, mid, ntry, mx, &ds, codes, codes + gs);
-            for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+            for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)((codes[2 * j] & 15) | ((codes[2 * j + 1] & 15) << 4));
+            if (nv == 32)
+                for (i64 m = 0; m < gs / 8; m++) {
+                    uint8_t byte = 0;
+                    for (int i = 0; i < 8; i++) byte |= (uint8_t)(((codes[8 * m + i] >> 4) & 1) << i);
+                    q[r * rowb + K / 2 + g * gs / 8 + m] = byte;
+                }
+            if (bad || mx == 0.f) continue;
             scale[b] = f2bf_finite(ds);
         }
         free(x);
@@ -658,26 +721,41 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
     free(sig);
 }
 
-// scale * values[code] per element; out fp32 or bf16 (rounded once).
-void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, i64 rows, i64 K,
-                      i64 gs, void* out, int out_bf16) {
-    const i64 G = K / gs;
+// scale * values[code] per element (4-bit codes, or 5-bit: the row's fifth-bit plane after its nibbles); out fp32
+// or bf16 (rounded once).
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, int bits, i64 rows,
+                      i64 K, i64 gs, void* out, int out_bf16) {
+    const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
 #pragma omp parallel for schedule(static)
     for (i64 r = 0; r < rows; r++)
         for (i64 g = 0; g < G; g++) {
             const float s = load_scale(scale, scale_bf16, r * G + g);
-            const uint8_t* qq = q + r * (K / 2) + g * gs / 2;
+            const uint8_t* qq = q + r * rowb + g * gs / 2;
+            const uint8_t* hb = q + r * rowb + K / 2 + g * gs / 8;
             const i64 o = r * K + g * gs;
 #if defined(__AVX512BW__)
             if (gs % 32 == 0) {  // 16 bytes -> 32 values: low nibbles are the even elements, high the odd
-                const __m512 tab = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
+                const __m512 t0 = _mm512_loadu_ps(values), t1 = bits == 5 ? _mm512_loadu_ps(values + 16) : t0;
+                const __m512 sv = _mm512_set1_ps(s);
+                const __m512i idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                const __m512i idx_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                const __m512i f = _mm512_set1_epi32(15), b4 = _mm512_set1_epi32(16);
                 for (i64 j = 0; j < gs / 2; j += 16) {
                     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qq + j)));
-                    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(b, tab), sv);  // index: low 4 bits
-                    const __m512 od = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab), sv);
-                    // interleave (even, odd) pairs back into element order
-                    const __m512i idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-                    const __m512i idx_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                    __m512i ei = _mm512_and_si512(b, f), oi = _mm512_srli_epi32(b, 4);
+                    if (bits == 5) {  // elements 2j.. 2j+31: their fifth bits, even ones to ei, odd ones to oi
+                        uint32_t h;
+                        memcpy(&h, hb + j / 4, 4);
+                        uint16_t me = 0, mo = 0;
+                        for (int i = 0; i < 16; i++) {
+                            me |= (uint16_t)(((h >> (2 * i)) & 1) << i);
+                            mo |= (uint16_t)(((h >> (2 * i + 1)) & 1) << i);
+                        }
+                        ei = _mm512_mask_or_epi32(ei, me, ei, b4);
+                        oi = _mm512_mask_or_epi32(oi, mo, oi, b4);
+                    }
+                    const __m512 ev = _mm512_mul_ps(_mm512_permutex2var_ps(t0, ei, t1), sv);
+                    const __m512 od = _mm512_mul_ps(_mm512_permutex2var_ps(t0, oi, t1), sv);
                     const __m512 lo = _mm512_permutex2var_ps(ev, idx_lo, od), hi = _mm512_permutex2var_ps(ev, idx_hi, od);
                     if (out_bf16) {
                         uint16_t* dst = (uint16_t*)out + o + 2 * j;
@@ -691,15 +769,11 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                 continue;
             }
 #endif
-            for (i64 j = 0; j < gs / 2; j++) {
-                const float a = s * values[qq[j] & 15], b = s * values[qq[j] >> 4];
-                if (out_bf16) {
-                    ((uint16_t*)out)[o + 2 * j] = f2bf(a);
-                    ((uint16_t*)out)[o + 2 * j + 1] = f2bf(b);
-                } else {
-                    ((float*)out)[o + 2 * j] = a;
-                    ((float*)out)[o + 2 * j + 1] = b;
-                }
+            for (i64 k = 0; k < gs; k++) {
+                const int c = ((qq[k / 2] >> (4 * (k & 1))) & 15) | (bits == 5 ? ((hb[k / 8] >> (k & 7)) & 1) << 4 : 0);
+                const float v = s * values[c];
+                if (out_bf16) ((uint16_t*)out)[o + k] = f2bf(v);
+                else ((float*)out)[o + k] = v;
             }
         }
 }

@@ -143,22 +143,44 @@ static inline __attribute__((always_inline)) void rtn4_row_bf16(
 #undef DP_CASE
 }
 
-// 4-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, and the signed grid as values -8..7), x in
-// x_to_bf16's permuted order (K % 64 == 0). lut: 32 bf16 words, the 16 values twice, so vpermw on a widened byte
-// (index = its low 5 bits) needs no mask for the low nibble. Groups of 32 (llama.cpp's block) or multiples of 64: in
-// a 64-chunk of the permuted layout, lanes 0-7 of each dot product hold elements 0..31 and lanes 8-15 elements
-// 32..63, so a group-32 chunk is scaled by one vector of two broadcast halves.
+// 4/5-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, the signed grids as values -8..7 /
+// -16..15), x in x_to_bf16's permuted order (K % 64 == 0). lut: 32 bf16 words — 4-bit: the 16 values twice, so vpermw
+// on a widened byte (index = its low 5 bits) needs no mask for the low nibble; 5-bit: the 32 values, the fifth bits
+// (a plane after the K/2 nibble bytes of each row, LSB first) or-ed in as bit 4 of each index. Groups of 32
+// (llama.cpp's block) or multiples of 64: in a 64-chunk of the permuted layout, lanes 0-7 of each dot product hold
+// elements 0..31 and lanes 8-15 elements 32..63, so a group-32 chunk is scaled by one vector of two broadcast halves.
+static inline uint32_t cb_pext(uint64_t h, uint64_t m) {
+#if defined(__BMI2__)
+    return (uint32_t)_pext_u64(h, m);
+#else
+    uint32_t r = 0;
+    for (int i = 0, j = 0; i < 64; i++)
+        if ((m >> i) & 1) r |= (uint32_t)((h >> i) & 1) << j++;
+    return r;
+#endif
+}
+
 static inline __attribute__((always_inline)) void cb4_rows_p64(
     const uint16_t* xb, const i64 M, const uint8_t* q, const void* scale, int scale_bf16, const __m512i lut, i64 n,
-    i64 K, i64 gs, float* out) {
+    i64 K, i64 gs, const int five, float* out) {
     const i64 G = K / gs, C = K / 64;
-    const uint8_t* qn = q + n * (K / 2);
+    const uint8_t* qn = q + n * (five ? K / 8 * 5 : K / 2);
+    const uint8_t* hb = qn + K / 2;
+    const __m512i lo4 = _mm512_set1_epi16(15), b4 = _mm512_set1_epi16(16);
     __m512 acc[8];
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (i64 c = 0; c < C; c++) {
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + 32 * c)));
-        const __m512i even = _mm512_permutexvar_epi16(w, lut);
-        const __m512i odd = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+        __m512i ei = w, oi = _mm512_srli_epi16(w, 4);
+        if (five) {
+            uint64_t h;
+            memcpy(&h, hb + 8 * c, 8);
+            ei = _mm512_and_si512(w, lo4);  // bit 4 is clear in both: adding 16 sets it
+            ei = _mm512_mask_add_epi16(ei, (__mmask32)cb_pext(h, 0x5555555555555555ull), ei, b4);
+            oi = _mm512_mask_add_epi16(oi, (__mmask32)cb_pext(h, 0xAAAAAAAAAAAAAAAAull), oi, b4);
+        }
+        const __m512i even = _mm512_permutexvar_epi16(ei, lut);
+        const __m512i odd = _mm512_permutexvar_epi16(oi, lut);
         __m512 sv;
         if (gs == 32) {
             const float s0 = load_scale(scale, scale_bf16, n * G + 2 * c), s1 = load_scale(scale, scale_bf16, n * G + 2 * c + 1);
@@ -176,12 +198,15 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-// M (1..8) a compile-time constant per case.
+// M (1..8) and the 5-bit flag compile-time constants per case; bits: 4 or 5.
 static inline __attribute__((always_inline)) void cb4_row_bf16(
     const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* lut16, i64 n,
-    i64 K, i64 gs, float* out) {
+    i64 K, i64 gs, int bits, float* out) {
     const __m512i lut = _mm512_loadu_si512(lut16);
-#define CB_CASE(c) case c: cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, out); break;
+#define CB_CASE(c) case c: \
+    if (bits == 5) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 1, out); \
+    else cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 0, out); \
+    break;
     switch (M) { CB_CASE(1) CB_CASE(2) CB_CASE(3) CB_CASE(4) CB_CASE(5) CB_CASE(6) CB_CASE(7) CB_CASE(8) }
 #undef CB_CASE
 }
