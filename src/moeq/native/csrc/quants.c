@@ -319,14 +319,15 @@ static inline __attribute__((unused)) int cb4_nearest(const float* mid, int nv, 
 // index = base[bucket] + (y > that midpoint): two 32-entry table lookups instead of a 4-step binary search.
 // Tables of consecutive integers (the signed grids) take index = ceil(y - v0 - 0.5), clamped: no lookups at all.
 typedef struct {
-    int fast, uniform, nv;
-    __m512 midv, mid1, bm0, bm1, tab0, tab1;
+    int fast, uniform, nv, noclamp;
+    __m512 midv, mid1, bm0, bm1, bms0, bms1, tab0, tab1;
     __m512i base0, base1;
     float lo, inv_w, v0;
 } cb4_index;
 
-static void cb4_index_init(cb4_index* ix, const float* mid, const float* values, int nv) {
+static void cb4_index_init(cb4_index* ix, const float* mid, const float* values, int nv, int ntry) {
     ix->nv = nv;
+    ix->noclamp = 0;
     ix->midv = _mm512_loadu_ps(mid);
     ix->mid1 = _mm512_loadu_ps(mid + 16);
     ix->tab0 = _mm512_loadu_ps(values);
@@ -334,11 +335,19 @@ static void cb4_index_init(cb4_index* ix, const float* mid, const float* values,
     ix->v0 = values[0];
     ix->uniform = 1;
     for (int j = 1; j < nv; j++) ix->uniform &= values[j] == values[0] + (float)j;
-    const float w = (mid[14] - mid[0]) / 30.f;
+    // The search's y = x * id never leaves +-Y, Y = |v0| (1 + ntry/127): when 32 buckets over +-Y still hold at most one
+    // midpoint each, they cover every y and the bucket index needs no clamping (about a tenth of the inner loop).
+    const float Y = fabsf(values[0]) * (1.f + (float)ntry / 127.f) * 1.001f + 1e-6f;
+    const float wy = 2.f * Y / 32.f;
+    int wide = nv == 16 && ntry >= 0;
+    for (int j = 0; j < 14; j++) wide &= mid[j + 1] - mid[j] > 1.01f * wy;
+    wide &= fabsf(values[nv - 1]) <= fabsf(values[0]);  // the table's far end lies inside +-Y too
+    const float w = wide ? wy : (mid[14] - mid[0]) / 30.f;
     ix->fast = nv == 16 && w > 0.f;
     for (int j = 0; j < 14; j++) ix->fast &= mid[j + 1] - mid[j] > 1.01f * w;
     if (!ix->fast) return;
-    ix->lo = mid[0] - 0.5f * w;
+    ix->noclamp = wide;
+    ix->lo = wide ? -Y : mid[0] - 0.5f * w;
     ix->inv_w = 1.f / w;
     int32_t base[32];
     float bm[32];
@@ -355,6 +364,9 @@ static void cb4_index_init(cb4_index* ix, const float* mid, const float* values,
     ix->base1 = _mm512_loadu_si512(base + 16);
     ix->bm0 = _mm512_loadu_ps(bm);
     ix->bm1 = _mm512_loadu_ps(bm + 16);
+    for (int b = 0; b < 32; b++) bm[b] = (bm[b] - ix->lo) * ix->inv_w;  // the midpoints in bucket units (inf stays)
+    ix->bms0 = _mm512_loadu_ps(bm);
+    ix->bms1 = _mm512_loadu_ps(bm + 16);
 }
 
 static inline __m512i cb4_nearest16(const cb4_index* ix, __m512 y) {
@@ -485,20 +497,24 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     const __m512 safe = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), mxv);
     __m512 best = _mm512_set1_ps(-1.f), d = zero, bid = zero;
     // the tables in registers, the loop over k unrolled by two with separate accumulators (latency-bound otherwise)
-    const __m512 lo = _mm512_set1_ps(ix->lo), inv_w = _mm512_set1_ps(ix->inv_w), bm0 = ix->bm0, bm1 = ix->bm1;
+    const __m512 inv_w = _mm512_set1_ps(ix->inv_w), off = _mm512_set1_ps(-ix->lo * ix->inv_w);
+    const __m512 bms0 = ix->bms0, bms1 = ix->bms1;
     const __m512i base0 = ix->base0, base1 = ix->base1, one = _mm512_set1_epi32(1), b31 = _mm512_set1_epi32(31);
     const __m512i z0 = _mm512_setzero_si512();
-#define CB4_FAST(y, out) do { \
-        __m512i bk_ = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps((y), lo), inv_w)); \
-        bk_ = _mm512_min_epi32(_mm512_max_epi32(bk_, z0), b31); \
+    const int noclamp = ix->noclamp;
+#define CB4_FAST(x, out, clamp) do { /* in bucket units: u = (x id - lo) / w, one FMA */ \
+        const __m512 u_ = _mm512_fmadd_ps((x), idw, off); \
+        __m512i bk_ = _mm512_cvttps_epi32(u_); \
+        if (clamp) bk_ = _mm512_min_epi32(_mm512_max_epi32(bk_, z0), b31); \
         const __m512i i_ = _mm512_permutex2var_epi32(base0, bk_, base1); \
-        out = _mm512_mask_add_epi32(i_, _mm512_cmp_ps_mask((y), _mm512_permutex2var_ps(bm0, bk_, bm1), _CMP_GT_OQ), \
+        out = _mm512_mask_add_epi32(i_, _mm512_cmp_ps_mask(u_, _mm512_permutex2var_ps(bms0, bk_, bms1), _CMP_GT_OQ), \
                                     i_, one); \
     } while (0)
     for (int s = 1; s >= -1; s -= 2)
         for (int t = -ntry; t <= ntry; t++) {
             const __m512 idv = _mm512_maskz_div_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), safe);
             __m512 a0 = zero, b0v = zero, a1 = zero, b1v = zero;
+            const __m512 idw = _mm512_mul_ps(idv, inv_w);
             i64 k = 0;
             if (ix->uniform) {
                 const __m512 off = _mm512_set1_ps(ix->v0 + 0.5f), top = _mm512_set1_ps((float)(ix->nv - 1));
@@ -517,13 +533,26 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                     a1 = _mm512_fmadd_ps(w1, x1, a1);
                     b1v = _mm512_fmadd_ps(w1, v1, b1v);
                 }
+            } else if (ix->fast && noclamp) {
+                for (; k + 2 <= gs; k += 2) {
+                    const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
+                    __m512i i0, i1;
+                    CB4_FAST(x0, i0, 0);
+                    CB4_FAST(x1, i1, 0);
+                    const __m512 v0 = _mm512_permutexvar_ps(i0, ix->tab0), v1 = _mm512_permutexvar_ps(i1, ix->tab0);
+                    const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
+                    const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
+                    a0 = _mm512_fmadd_ps(w0, x0, a0);
+                    b0v = _mm512_fmadd_ps(w0, v0, b0v);
+                    a1 = _mm512_fmadd_ps(w1, x1, a1);
+                    b1v = _mm512_fmadd_ps(w1, v1, b1v);
+                }
             } else if (ix->fast) {
                 for (; k + 2 <= gs; k += 2) {
                     const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
-                    const __m512 y0 = _mm512_mul_ps(x0, idv), y1 = _mm512_mul_ps(x1, idv);
                     __m512i i0, i1;
-                    CB4_FAST(y0, i0);
-                    CB4_FAST(y1, i1);
+                    CB4_FAST(x0, i0, 1);
+                    CB4_FAST(x1, i1, 1);
                     const __m512 v0 = _mm512_permutexvar_ps(i0, ix->tab0), v1 = _mm512_permutexvar_ps(i1, ix->tab0);
                     const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
                     const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
@@ -652,6 +681,7 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
             float buf[4096], acc = 0.f;
             for (i64 g = 0; g < G; g++) {
                 load_group(w, bf16, r * K + g * gs, gs, buf);
+#pragma omp simd reduction(+ : acc)
                 for (i64 k = 0; k < gs; k++) acc += buf[k] * buf[k];
             }
             sig[r] = acc / (float)K;
@@ -659,7 +689,7 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
     }
 #if defined(__AVX512F__)
     cb4_index ix;
-    cb4_index_init(&ix, mid, values, nv);
+    cb4_index_init(&ix, mid, values, nv, ntry);
 #pragma omp parallel
     {
         float* xt = (float*)malloc((size_t)gs * 16 * sizeof(float));
@@ -750,7 +780,7 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                         for (int i = 0; i < 16; i++) {
                             me |= (uint16_t)(((h >> (2 * i)) & 1) << i);
                             mo |= (uint16_t)(((h >> (2 * i + 1)) & 1) << i);
-                        }
+            }
                         ei = _mm512_mask_or_epi32(ei, me, ei, b4);
                         oi = _mm512_mask_or_epi32(oi, mo, oi, b4);
                     }
