@@ -125,8 +125,8 @@ def test_bad_input():
             rtn.quantize(w2, 4, 64, sym, grid, name="experts.w13")
     with pytest.raises(ValueError, match="not divisible by group_size 128"):
         rtn.quantize(torch.randn(4, 192), group_size=128)
-    with pytest.raises(ValueError, match=r"valid choices: \[2, 3, 4, 8\]"):
-        rtn.quantize(torch.randn(4, 64), bits=5)
+    with pytest.raises(ValueError, match=r"valid choices: \[2, 3, 4, 5, 8\]"):
+        rtn.quantize(torch.randn(4, 64), bits=6)
     with pytest.raises(ValueError, match="valid choices"):
         rtn.quantize(torch.randn(4, 64), group_size=40)
     for sym, grid in ((True, "vllm"), (True, "signed"), (False, "vllm")):
