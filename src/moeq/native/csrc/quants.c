@@ -501,7 +501,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     const __m512 bms0 = ix->bms0, bms1 = ix->bms1;
     const __m512i base0 = ix->base0, base1 = ix->base1, one = _mm512_set1_epi32(1), b31 = _mm512_set1_epi32(31);
     const __m512i z0 = _mm512_setzero_si512();
-    const int noclamp = ix->noclamp;
+    const int clamp = !ix->noclamp;
 #define CB4_FAST(x, out, clamp) do { /* in bucket units: u = (x id - lo) / w, one FMA */ \
         const __m512 u_ = _mm512_fmadd_ps((x), idw, off); \
         __m512i bk_ = _mm512_cvttps_epi32(u_); \
@@ -533,26 +533,12 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                     a1 = _mm512_fmadd_ps(w1, x1, a1);
                     b1v = _mm512_fmadd_ps(w1, v1, b1v);
                 }
-            } else if (ix->fast && noclamp) {
+            } else if (ix->fast) {  // clamp: loop-invariant (gcc unswitches the loop)
                 for (; k + 2 <= gs; k += 2) {
                     const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
                     __m512i i0, i1;
-                    CB4_FAST(x0, i0, 0);
-                    CB4_FAST(x1, i1, 0);
-                    const __m512 v0 = _mm512_permutexvar_ps(i0, ix->tab0), v1 = _mm512_permutexvar_ps(i1, ix->tab0);
-                    const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
-                    const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
-                    a0 = _mm512_fmadd_ps(w0, x0, a0);
-                    b0v = _mm512_fmadd_ps(w0, v0, b0v);
-                    a1 = _mm512_fmadd_ps(w1, x1, a1);
-                    b1v = _mm512_fmadd_ps(w1, v1, b1v);
-                }
-            } else if (ix->fast) {
-                for (; k + 2 <= gs; k += 2) {
-                    const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
-                    __m512i i0, i1;
-                    CB4_FAST(x0, i0, 1);
-                    CB4_FAST(x1, i1, 1);
+                    CB4_FAST(x0, i0, clamp);
+                    CB4_FAST(x1, i1, clamp);
                     const __m512 v0 = _mm512_permutexvar_ps(i0, ix->tab0), v1 = _mm512_permutexvar_ps(i1, ix->tab0);
                     const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
                     const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
