@@ -510,6 +510,15 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
         out = _mm512_mask_add_epi32(i_, _mm512_cmp_ps_mask(u_, _mm512_permutex2var_ps(bms0, bk_, bms1), _CMP_GT_OQ), \
                                     i_, one); \
     } while (0)
+// two elements' weighted sums of x v and v^2 (x0/x1 at k, k+1 with values v0/v1) into the accumulator pairs
+#define CB4_ACC() do { \
+        const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0); \
+        const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1); \
+        a0 = _mm512_fmadd_ps(w0, x0, a0); \
+        b0v = _mm512_fmadd_ps(w0, v0, b0v); \
+        a1 = _mm512_fmadd_ps(w1, x1, a1); \
+        b1v = _mm512_fmadd_ps(w1, v1, b1v); \
+    } while (0)
     for (int s = 1; s >= -1; s -= 2)
         for (int t = -ntry; t <= ntry; t++) {
             const __m512 idv = _mm512_maskz_div_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), safe);
@@ -526,12 +535,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                     const __m512 c1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_sub_ps(
                         _mm512_mul_ps(x1, idv), off), _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC), zero), top);
                     const __m512 v0 = _mm512_add_ps(c0, v0f), v1 = _mm512_add_ps(c1, v0f);
-                    const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
-                    const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
-                    a0 = _mm512_fmadd_ps(w0, x0, a0);
-                    b0v = _mm512_fmadd_ps(w0, v0, b0v);
-                    a1 = _mm512_fmadd_ps(w1, x1, a1);
-                    b1v = _mm512_fmadd_ps(w1, v1, b1v);
+                    CB4_ACC();
                 }
             } else if (ix->fast) {  // clamp: loop-invariant (gcc unswitches the loop)
                 for (; k + 2 <= gs; k += 2) {
@@ -540,12 +544,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                     CB4_FAST(x0, i0, clamp);
                     CB4_FAST(x1, i1, clamp);
                     const __m512 v0 = _mm512_permutexvar_ps(i0, ix->tab0), v1 = _mm512_permutexvar_ps(i1, ix->tab0);
-                    const __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16), v0);
-                    const __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(wt + k * 16 + 16), v1);
-                    a0 = _mm512_fmadd_ps(w0, x0, a0);
-                    b0v = _mm512_fmadd_ps(w0, v0, b0v);
-                    a1 = _mm512_fmadd_ps(w1, x1, a1);
-                    b1v = _mm512_fmadd_ps(w1, v1, b1v);
+                    CB4_ACC();
                 }
             }
             for (; k < gs; k++) {
@@ -563,6 +562,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
             bid = _mm512_mask_mov_ps(bid, up, idv);
         }
 #undef CB4_FAST
+#undef CB4_ACC
     float dl[16], bl[16], idl[16], ds[16], mx[16];
     _mm512_storeu_ps(dl, d);
     _mm512_storeu_ps(bl, best);
