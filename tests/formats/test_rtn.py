@@ -160,3 +160,7 @@ def test_native_kernels_equal_torch(bits, gs, dtype):
     for n in ("qdata", "scale", "zero"):
         assert torch.equal(getattr(asym, n), getattr(asym_ref, n)), n
     assert torch.equal(asym.dequantize(torch.bfloat16), asym.dequantize_reference(torch.bfloat16))
+    for sb in (bits, 5):  # the signed grid (llama.cpp's Q4_0/Q5_0/Q8_0 arithmetic), 5-bit planes included
+        sg, sg_ref = rtn.quantize(w, sb, gs, grid="signed"), rtn.quantize(w, sb, gs, grid="signed", native=False)
+        assert torch.equal(sg.qdata, sg_ref.qdata) and torch.equal(sg.scale, sg_ref.scale)
+        assert torch.equal(sg.dequantize(torch.float32), sg.dequantize_reference(torch.float32))

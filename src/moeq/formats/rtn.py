@@ -237,6 +237,14 @@ def quantize(
             return check_result(RTNWeight(qdata=qdata, scale=scale, zero=zero, bits=bits, group_size=group_size,
                                           grid="vllm" if symmetric else "asym", shape=tuple(w.shape), dtype=w.dtype),
                                 w, name)
+    if (native and not (search or refine or hqq) and symmetric and grid == "signed" and bits in (4, 5, 8)
+            and w.dtype in (torch.bfloat16, torch.float32) and gs <= 4096):
+        got = _quantize_signed_native(w, bits, gs)
+        if got is not None:
+            if not torch.isfinite(got[1]).all():  # the kernel marks groups holding NaN/Inf
+                check_finite(w, name)
+            return check_result(RTNWeight(qdata=got[0], scale=got[1], zero=None, bits=bits, group_size=group_size,
+                                          grid="signed", shape=tuple(w.shape), dtype=w.dtype), w, name)
     check_finite(w, name)
     rows = w.reshape(-1, k)
     qdata = torch.empty(rows.shape[0], packed_size(k, bits), dtype=torch.uint8, device=w.device)
@@ -293,6 +301,21 @@ def _quantize_native(w: torch.Tensor, bits: int, gs: int, symmetric: bool = True
     L.moeq_rtn_quantize_asym(native.ptr(w), int(w.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs), bits,
                              native.ptr(qdata), native.ptr(scale), native.ptr(zero))
     return qdata, scale, zero
+
+
+def _quantize_signed_native(w: torch.Tensor, bits: int, gs: int):
+    from moeq import native  # noqa: PLC0415
+
+    L = native.lib()
+    w = w.contiguous()
+    if L is None or w.device.type != "cpu" or not native.usable(w):
+        return None
+    k = w.shape[-1]
+    qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
+    scale = torch.empty(*w.shape[:-1], k // gs, dtype=w.dtype)
+    L.moeq_rtn_quantize_signed(native.ptr(w), int(w.dtype == torch.bfloat16), native.i64(w.numel() // k), native.i64(k),
+                               native.i64(gs), bits, native.ptr(qdata), native.ptr(scale))
+    return qdata, scale
 
 
 def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):

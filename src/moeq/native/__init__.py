@@ -69,6 +69,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     # quants.c
     "moeq_set_threads": (None, [_INT]),
     "moeq_rtn_quantize_sym": (None, [_P, _INT, _I, _I, _I, _INT, _P, _P]),
+    "moeq_rtn_quantize_signed": (None, [_P, _INT, _I, _I, _I, _INT, _P, _P]),
     "moeq_rtn_quantize_asym": (None, [_P, _INT, _I, _I, _I, _INT, _P, _P, _P]),
     "moeq_rtn_dequant": (None, [_P, _P, _INT, _P, _INT, _I, _I, _I, _P, _INT]),
     "moeq_bnb4_quantize": (None, [_P, _INT, _I, _I, _P, _P, _P, _P]),

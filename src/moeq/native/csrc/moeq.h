@@ -97,6 +97,7 @@ typedef struct {
 // ---- exports (quants.c) ----
 void moeq_set_threads(int n);
 void moeq_rtn_quantize_sym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale);
+void moeq_rtn_quantize_signed(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale);
 void moeq_rtn_quantize_asym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale,
                             uint8_t* zero);
 void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 rows,

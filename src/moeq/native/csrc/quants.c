@@ -230,6 +230,57 @@ void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void*
 // Asymmetric RTN (min/max widened to include 0, integer zero point), exactly the torch reference's fp32 arithmetic:
 // scale = (hi - lo) / maxq rounded to the storage dtype; zero = clamp(round(-lo / s)); q = clamp(round(x / s) + zero).
 // A group holding NaN/Inf gets a NaN scale.
+// The signed grid (llama.cpp's quantize_row_q4_0_ref / q5_0 arithmetic for 4/5 bits, the same rule at 8):
+// d = peak / -2^(b-1) in fp32, codes min(2^b - 1, floor(x * (1/d) + 2^(b-1) + 0.5)) — products and sums rounded
+// separately (no FMA contraction), exactly the torch reference —, scale d stored in the weight's dtype (bf16 rounds
+// to nearest even). Rows: 4-bit nibbles (even low), 5-bit nibbles then fifth bits (LSB first), 8-bit bytes.
+// A group holding NaN/Inf gets a NaN scale.
+__attribute__((optimize("fp-contract=off")))
+void moeq_rtn_quantize_signed(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale) {
+    const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : bits == 4 ? K / 2 : K;
+    const float half = (float)(1 << (bits - 1)), maxq = (float)((1 << bits) - 1);
+#pragma omp parallel
+    {
+        float buf[4096];
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; r++)
+            for (i64 g = 0; g < G; g++) {
+                load_group(w, bf16, r * K + g * gs, gs, buf);
+                float amax = 0.f, peak = 0.f;
+                int bad = 0;
+                for (i64 k = 0; k < gs; k++) {
+                    const float a = fabsf(buf[k]);
+                    bad |= !(a <= 3.402823466e38f);
+                    if (a > amax) { amax = a; peak = buf[k]; }
+                }
+                const float d = -peak / half;
+                const float inv = d == 0.f ? 0.f : 1.f / d;
+                if (bf16) ((uint16_t*)scale)[r * G + g] = bad ? (uint16_t)0x7fc0 : f2bf_finite(d);
+                else ((float*)scale)[r * G + g] = bad ? NAN : d;
+                if (bad) continue;
+                uint8_t* o = q + r * rowb;
+                for (i64 k = 0; k < gs; k++) {
+                    const float p = buf[k] * inv;
+                    float c = floorf(p + (half + 0.5f));
+                    c = c < 0.f ? 0.f : c > maxq ? maxq : c;
+                    const i64 e = g * gs + k;
+                    const uint8_t u = (uint8_t)c;
+                    if (bits == 8) {
+                        o[e] = u;
+                    } else {
+                        if (e & 1) o[e / 2] = (uint8_t)((o[e / 2] & 15) | ((u & 15) << 4));
+                        else o[e / 2] = (uint8_t)(u & 15);
+                        if (bits == 5) {
+                            uint8_t* h = o + K / 2 + e / 8;
+                            const uint8_t bit = (uint8_t)(((u >> 4) & 1) << (e & 7));
+                            *h = (uint8_t)((e & 7) ? (*h & ~(1u << (e & 7))) | bit : bit);
+                        }
+                    }
+                }
+            }
+    }
+}
+
 void moeq_rtn_quantize_asym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int bits, uint8_t* q, void* scale,
                             uint8_t* zero) {
     const int maxq = (1 << bits) - 1;
