@@ -31,18 +31,27 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from llamacpp import CACHE, find_tool  # noqa: E402
 
 
-def llama_bench(exe: Path, gguf: Path, threads: int) -> dict:
-    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", "512", "-n", "128", "-r", "2",
+def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None) -> dict:
+    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", "512,2048", "-n", "128", "-r", "2",
                           "-o", "json"], capture_output=True, text=True, check=True, timeout=1800).stdout
     rows = json.loads(out)
     get = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
-    return {"decode_tps": get[(0, 128)], "prefill512_tps": get[(512, 0)]}
+    res = {"decode_tps": get[(0, 128)], "prefill512_tps": get[(512, 0)], "prefill2048_tps": get[(2048, 0)]}
+    if batched is not None:  # 4 sequences decoding together (aggregate tok/s), 32-token prompts as moeq's
+        out = subprocess.run([str(batched), "-m", str(gguf), "-t", str(threads), "-c", "2048", "-b", "2048",
+                              "-ub", "512", "-npp", "32", "-ntg", "128", "-npl", "4", "--output-format", "jsonl"],
+                             capture_output=True, text=True, check=True, timeout=1800).stdout
+        row = [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]
+        res["decode_b4_tps"] = row["speed_tg"]
+    return res
 
 
 def moeq_measure(model) -> dict:
     dec = bench.decode_tps(model, 1, prompt=32, new=128, reps=2)
+    dec4 = bench.decode_tps(model, 4, prompt=32, new=128, reps=2)
     pre = min(bench.prefill_seconds(model, 512, False) for _ in range(2))
-    return {"decode_tps": dec, "prefill512_tps": 512 / pre}
+    pre2k = min(bench.prefill_seconds(model, 2048, False) for _ in range(2))
+    return {"decode_tps": dec, "decode_b4_tps": dec4, "prefill512_tps": 512 / pre, "prefill2048_tps": 2048 / pre2k}
 
 
 def main() -> None:
@@ -56,6 +65,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_llamacpp.json"))
     args = ap.parse_args()
     exe = find_tool("llama-bench", args.llama_bench)
+    batched = find_tool("llama-batched-bench")
+    if batched is None:
+        print("llama-batched-bench not found (cmake --build build --target llama-batched-bench): no b4 rows")
     if exe is None or not exe.exists():
         print("llama-bench not found: build it as this script's docstring says (or pass --llama-bench); skipping")
         return
@@ -73,29 +85,37 @@ def main() -> None:
                 tok = CACHE / "bench-tokenizer"
                 tiny_tokenizer().save_pretrained(tok)
             export(model, gguf, "gguf", source=tok, check=False)  # lossless by construction (q4_0/q8_0)
+        top_k = model.config.get_text_config().num_experts_per_tok
+        bpt = bench.bytes_per_token(model, top_k)  # the weight bytes a batch-1 token reads (the same GGUF weights)
         for rnd in range(args.rounds):
             t0 = time.time()
-            theirs = llama_bench(exe, gguf, args.threads)
+            bw = bench.memory_bandwidth()
+            theirs = llama_bench(exe, gguf, args.threads, batched)
             mine = moeq_measure(model)
-            rows.append({"method": method, "round": rnd, "llama.cpp": theirs, "moeq": mine,
-                         "seconds": time.time() - t0})
+            bw = max(bw, bench.memory_bandwidth())  # probed around both systems' runs in this round
+            rows.append({"method": method, "round": rnd, "llama.cpp": theirs, "moeq": mine, "bandwidth_gbps": bw / 1e9,
+                         "bytes_per_token": bpt, "roofline_tps": bw / bpt, "seconds": time.time() - t0})
             print(json.dumps(rows[-1]), flush=True)
         del model
     best = {}
     for r in rows:
-        b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}})
+        b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}, "roofline_tps": 0.0})
+        b["roofline_tps"] = max(b["roofline_tps"], r["roofline_tps"])
         for sys_ in ("llama.cpp", "moeq"):
             for k, v in r[sys_].items():
                 b[sys_][k] = max(b[sys_].get(k, 0.0), v)
     res = {"model": str(src), "threads": args.threads, "llama_bench": str(exe), "rounds": rows, "best": best}
     write_json(args.out, res)
-    print("\n| weights | llama.cpp decode tok/s | moeq decode tok/s | moeq / llama.cpp | llama.cpp prefill 512 tok/s | "
-          "moeq prefill 512 tok/s | moeq / llama.cpp |\n|---|---|---|---|---|---|---|")
+    keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "prefill 512"),
+            ("prefill2048_tps", "prefill 2048")]
+    print("\n| weights | " + " | ".join(f"{label} llama.cpp / moeq tok/s (ratio)" for _, label in keys)
+          + " | b1 roofline tok/s (llama.cpp / moeq fraction) |\n|---" * 1 + "|---" * (len(keys) + 1) + "|")
     for method, b in best.items():
         lc, mq = b["llama.cpp"], b["moeq"]
-        print(f"| {method}, bf16 lm_head | {lc['decode_tps']:.1f} | {mq['decode_tps']:.1f} | "
-              f"{mq['decode_tps'] / lc['decode_tps']:.2f} | {lc['prefill512_tps']:.0f} | {mq['prefill512_tps']:.0f} | "
-              f"{mq['prefill512_tps'] / lc['prefill512_tps']:.2f} |")
+        cells = [f"{lc[k]:.1f} / {mq[k]:.1f} ({mq[k] / lc[k]:.2f})" if k in lc and k in mq else "n/a" for k, _ in keys]
+        roof = b["roofline_tps"]
+        print(f"| {method}, bf16 lm_head | " + " | ".join(cells)
+              + f" | {roof:.0f} ({lc['decode_tps'] / roof:.0%} / {mq['decode_tps'] / roof:.0%}) |")
 
 
 if __name__ == "__main__":
