@@ -5,7 +5,8 @@
     tar -xzf ~/.cache/moeq-llamacpp/llama_cpp_python-0.3.36.tar.gz -C ~/.cache/moeq-llamacpp
     cd ~/.cache/moeq-llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \\
-          -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench llama-quantize
+          -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench llama-quantize \\
+          llama-batched-bench
 
 ``convert_hf_to_gguf.py`` (same folder) needs ``sentencepiece`` for Llama-family checkpoints; it is not a moeq
 dependency: ``pip install --target ~/.cache/moeq-llamacpp/pydeps sentencepiece`` (put on PYTHONPATH by
