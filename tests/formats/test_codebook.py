@@ -150,3 +150,12 @@ def test_five_bit_planes():
     assert p.shape == (3, 5, 40) and torch.equal(packing.unpack(p, 5), c)
     assert torch.equal(p[..., :32], packing.pack(c & 15, 4))  # the nibble plane is the 4-bit layout
     assert p[0, 0, 32] == sum(((int(c[0, 0, i]) >> 4) & 1) << i for i in range(8))  # fifth bits, LSB first
+
+
+def test_groups_wider_than_the_kernel_buffers():
+    """One group per row (group_size -1) wider than the native kernel's 4096-value buffers takes the torch twin."""
+    w = _weights(rows=2, k=8192, seed=5)
+    q = rtn.quantize(w, 4, -1, True, "iq4nl", search=3)
+    vals = torch.tensor(rtn.grid_values("iq4nl"), dtype=torch.float32)
+    codes, scale = codebook_search(w.float(), 8192, vals, 3, rtn.WEIGHTINGS["x2"])
+    assert torch.equal(q.codes(), codes) and torch.equal(q.scale, scale)

@@ -352,8 +352,8 @@ def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):
 def _codebook_search(w: torch.Tensor, grid: str, gs: int, ntry: int, weighting: str, group_size: int,
                      name: str | None, importance: torch.Tensor | None = None, native_ok: bool = True,
                      nbits: int = 4) -> RTNWeight:
-    """4-bit symmetric codebook grids (``iq4nl``, ``signed``) through the importance-weighted scale search: native
-    (``moeq_cb4_search``), else its plain-torch twin :func:`moeq.formats.search.codebook_search`."""
+    """Symmetric codebook grids (``iq4nl``; ``signed`` at 4 or 5 bits) through the importance-weighted scale search:
+    native (``moeq_cb4_search``), else its plain-torch twin :func:`moeq.formats.search.codebook_search`."""
     from moeq import native  # noqa: PLC0415
 
     k = w.shape[-1]
@@ -361,7 +361,8 @@ def _codebook_search(w: torch.Tensor, grid: str, gs: int, ntry: int, weighting: 
     values = torch.tensor(grid_values(grid, bits), dtype=torch.float32)
     wc = w.contiguous()
     L = native.lib() if w.device.type == "cpu" and native_ok else None
-    if L is not None and wc.dtype in (torch.bfloat16, torch.float32) and gs % 16 == 0 and native.usable(wc):
+    if (L is not None and wc.dtype in (torch.bfloat16, torch.float32) and gs % 16 == 0 and gs <= 4096
+            and native.usable(wc)):  # the kernel's per-group buffers hold 4096 values
         rows = wc.numel() // k
         qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
         scale = torch.empty(*w.shape[:-1], k // gs, dtype=torch.bfloat16)

@@ -703,7 +703,7 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
 // codes re-rounded to that d when that lowers the weighted error. Weights: 0 uniform, 1 x^2 (llama.cpp without an
 // importance matrix), 2 sigma2 + x^2 (sigma2 = the row's mean square); times colw[k] per input column k when colw
 // is given (>= 0, finite: e.g. the preceding norm's scale squared). A group holding NaN/Inf gets a NaN scale.
-// gs <= 4096 (16 <= gs and gs % 16 == 0 for the AVX512 form).
+// gs % 16 == 0 and gs <= 4096 (the scalar form's buffers; the caller checks).
 void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, int ntry,
                      int weighting, const float* colw, uint8_t* q, uint16_t* scale) {
     const i64 G = K / gs, NB = rows * G, rowb = nv == 32 ? K / 8 * 5 : K / 2;
@@ -716,10 +716,11 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
 #pragma omp parallel for schedule(static)
         for (i64 r = 0; r < rows; r++) {
             float buf[4096], acc = 0.f;
-            for (i64 g = 0; g < G; g++) {
-                load_group(w, bf16, r * K + g * gs, gs, buf);
+            for (i64 k0 = 0; k0 < K; k0 += 4096) {  // the row in pieces (any group size)
+                const i64 n = K - k0 < 4096 ? K - k0 : 4096;
+                load_group(w, bf16, r * K + k0, n, buf);
 #pragma omp simd reduction(+ : acc)
-                for (i64 k = 0; k < gs; k++) acc += buf[k] * buf[k];
+                for (i64 k = 0; k < n; k++) acc += buf[k] * buf[k];
             }
             sig[r] = acc / (float)K;
         }
