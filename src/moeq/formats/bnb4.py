@@ -362,15 +362,28 @@ def _quantize_native(w, blocksize, bounds, order, packed, absmax) -> bool:
     return True
 
 
-def _quantize_search(w, blocksize, quant_type, candidates, packed, absmax, name) -> None:
-    """bnb4 with a searched (smaller) absmax per block; see :mod:`moeq.formats.search`. Whole blocks only."""
+def _quantize_search(w, blocksize, quant_type, candidates, packed, absmax, name, native: bool = True) -> None:
+    """bnb4 with a searched (smaller) absmax per block; see :mod:`moeq.formats.search`. Whole blocks only. Native
+    (``moeq_bnb4_quantize_search``) when it can, else plain torch (its reference)."""
     from moeq.formats.search import bnb4_absmax_search  # noqa: PLC0415
 
-    check_finite(w, name)
     if (w.numel() // packed.shape[0]) % blocksize:
         raise MoeqError(f"tensor {name or '<unnamed>'}: absmax search needs whole blocks of {blocksize}")
     bounds, order = (t.to(w.device) for t in _bounds(quant_type))
     code_sorted = code4(quant_type).to(w.device)[order]
+    if native and w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu":
+        from moeq import native as nat  # noqa: PLC0415
+
+        L, wc = nat.lib(), w.contiguous()
+        tables = bounds.contiguous(), order.to(torch.uint8).contiguous(), code_sorted.contiguous()  # alive for the call
+        if L is not None and nat.usable(wc, packed, absmax, *tables):
+            L.moeq_bnb4_quantize_search(
+                nat.ptr(wc), int(wc.dtype == torch.bfloat16), nat.i64(wc.numel() // blocksize), nat.i64(blocksize),
+                *(nat.ptr(t) for t in tables), int(candidates), 0.6, nat.ptr(packed), nat.ptr(absmax))
+            if not torch.isfinite(absmax).all():  # the kernel marks blocks holding NaN/Inf
+                check_finite(w, name)
+            return
+    check_finite(w, name)
     blocks, pb, ab = w.reshape(-1, blocksize), packed.view(-1, blocksize // 2), absmax.view(-1)
     for a, b in row_chunks(blocks.shape[0], blocksize):
         x = blocks[a:b].float()
@@ -422,7 +435,7 @@ def quantize(
     packed = torch.empty(slices, (n + 1) // 2, dtype=torch.uint8, device=w.device)
     absmax = torch.empty(slices, nb, dtype=torch.float32, device=w.device)
     if search:
-        _quantize_search(w, blocksize, quant_type, search, packed, absmax, name)
+        _quantize_search(w, blocksize, quant_type, search, packed, absmax, name, native)
     elif native and n % blocksize == 0 and w.dtype in (torch.bfloat16, torch.float32) and _quantize_native(
             w, blocksize, bounds, order, packed, absmax):
         if not torch.isfinite(absmax).all():  # the kernel marks blocks holding NaN/Inf

@@ -121,7 +121,7 @@ def bnb4_absmax_search(blocks: torch.Tensor, absmax: torch.Tensor, code_sorted: 
     """Per block of ``blocks [B, bs]`` (fp32), the stored absmax (<= the true one) minimizing the squared error of
     bitsandbytes' nearest-code decoding. Returns fp32 ``[B]``."""
     def err(am):
-        scaled = (blocks / am.clamp(min=1e-38)[:, None]).clamp(-1, 1)
+        scaled = (blocks * (1.0 / am.clamp(min=1e-38))[:, None]).clamp(-1, 1)  # bitsandbytes' x * (1/absmax)
         q = torch.bucketize(scaled, bounds)
         return (blocks - code_sorted[q] * am[:, None]).pow(2).sum(-1)
 

@@ -73,6 +73,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_rtn_quantize_asym": (None, [_P, _INT, _I, _I, _I, _INT, _P, _P, _P]),
     "moeq_rtn_dequant": (None, [_P, _P, _INT, _P, _INT, _I, _I, _I, _P, _INT]),
     "moeq_bnb4_quantize": (None, [_P, _INT, _I, _I, _P, _P, _P, _P]),
+    "moeq_bnb4_quantize_search": (None, [_P, _INT, _I, _I, _P, _P, _P, _INT, _F, _P, _P]),
     "moeq_bnb4_dequant": (None, [_P, _P, _P, _I, _I, _P, _INT]),
     "moeq_bnb4_resolve_absmax": (None, [_P, _P, _P, _P, _I, _I, _P]),
     "moeq_cb4_search": (None, [_P, _INT, _I, _I, _I, _P, _INT, _INT, _INT, _P, _P, _P]),

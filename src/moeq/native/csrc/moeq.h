@@ -104,6 +104,9 @@ void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                       i64 K, i64 gs, void* out, int out_bf16);
 void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
                         uint8_t* packed, float* absmax);
+void moeq_bnb4_quantize_search(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
+                               const float* code_sorted, int candidates, float min_alpha, uint8_t* packed,
+                               float* absmax);
 void moeq_bnb4_dequant(const uint8_t* packed, const float* absmax, const float* code, i64 n, i64 bs, void* out,
                        int out_bf16);
 void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, const float* nested_code,

@@ -131,6 +131,25 @@ void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
 // Whole blocks only (n % bs == 0): absmax = max|x|, scaled = clamp(x * (1/absmax), -1, 1), code = number of sorted
 // midpoints strictly below (ties to the lower code), remapped by `order` (FP4); even element -> HIGH nibble.
 // A block holding NaN/Inf gets a NaN absmax (the caller checks and names the tensor).
+// A block's codes at absmax am: x * (1/am) clamped to [-1, 1], the nearest code (ties low), even element HIGH.
+static inline void bnb4_codes(float* buf, int32_t* idx, i64 bs, float am, const float* bounds, const uint8_t* order,
+                              uint8_t* o) {
+    const float r = 1.0f / (am < 1e-38f ? 1e-38f : am);
+#pragma omp simd
+    for (i64 k = 0; k < bs; k++) {
+        float x = buf[k] * r;
+        x = x < -1.f ? -1.f : x;
+        buf[k] = x > 1.f ? 1.f : x;
+        idx[k] = 0;
+    }
+    for (int i = 0; i < 15; i++) {
+        const float bi = bounds[i];
+#pragma omp simd
+        for (i64 k = 0; k < bs; k++) idx[k] += bi < buf[k];
+    }
+    for (i64 j = 0; j < bs / 2; j++) o[j] = (uint8_t)((order[idx[2 * j]] << 4) | order[idx[2 * j + 1]]);
+}
+
 void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
                         uint8_t* packed, float* absmax) {
 #pragma omp parallel
@@ -151,21 +170,80 @@ void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const floa
             }
             absmax[b] = bad ? NAN : am;
             if (bad) continue;
-            const float r = 1.0f / (am < 1e-38f ? 1e-38f : am);
-#pragma omp simd
+            bnb4_codes(buf, idx, bs, am, bounds, order, packed + base / 2);
+        }
+    }
+}
+
+// The same blocks with a searched absmax (the plain-torch bnb4_absmax_search, natively): per block the stored
+// absmax among absmax * (1 - (1 - min_alpha) i / candidates), i = 0..candidates, with the least squared error of
+// nearest-code decoding (x * (1/am) clamped to [-1, 1], bucketized on the sorted code's midpoints, ties low);
+// strictly better candidates win, so ties keep the larger absmax. Codes as moeq_bnb4_quantize's. bs <= 4096.
+void moeq_bnb4_quantize_search(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
+                               const float* code_sorted, int candidates, float min_alpha, uint8_t* packed,
+                               float* absmax) {
+#if defined(__AVX512F__)
+    float bpad[16];
+    for (int j = 0; j < 16; j++) bpad[j] = j < 15 ? bounds[j] : INFINITY;
+    const __m512 bnd = _mm512_loadu_ps(bpad), tabv = _mm512_loadu_ps(code_sorted);
+#endif
+#pragma omp parallel
+    {
+        float buf[4096];
+        int32_t idx[4096];
+#pragma omp for schedule(static)
+        for (i64 b = 0; b < nblocks; b++) {
+            const i64 base = b * bs;
+            load_group(w, bf16, base, bs, buf);
+            float am0 = 0.f;
+            int bad = 0;
+#pragma omp simd reduction(max : am0) reduction(+ : bad)
             for (i64 k = 0; k < bs; k++) {
-                float x = buf[k] * r;
-                x = x < -1.f ? -1.f : x;
-                buf[k] = x > 1.f ? 1.f : x;
-                idx[k] = 0;
+                const float a = fabsf(buf[k]);
+                bad += !(a <= 3.402823466e38f);
+                am0 = a > am0 ? a : am0;
             }
-            for (int i = 0; i < 15; i++) {
-                const float bi = bounds[i];
-#pragma omp simd
-                for (i64 k = 0; k < bs; k++) idx[k] += bi < buf[k];
+            if (bad) { absmax[b] = NAN; continue; }
+            float best_am = am0, best_e = INFINITY;
+            for (int i = 0; i <= candidates; i++) {
+                const float am = am0 * (float)(1.0 - (1.0 - (double)min_alpha) * i / candidates);
+                const float r = 1.0f / (am < 1e-38f ? 1e-38f : am);
+                float e = 0.f;
+#if defined(__AVX512F__)
+                if (bs % 16 == 0) {  // 16 values at once: a 4-step binary search over the midpoints, vpermps lookups
+                    __m512 acc = _mm512_setzero_ps();
+                    const __m512 rv = _mm512_set1_ps(r), amv = _mm512_set1_ps(am), one = _mm512_set1_ps(1.f);
+                    for (i64 k = 0; k < bs; k += 16) {
+                        const __m512 x = _mm512_loadu_ps(buf + k);
+                        const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, rv), _mm512_sub_ps(
+                            _mm512_setzero_ps(), one)), one);
+                        __m512i q = _mm512_setzero_si512();
+                        for (int step = 8; step; step >>= 1) {
+                            const __m512i probe = _mm512_add_epi32(q, _mm512_set1_epi32(step - 1));
+                            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, bnd), v, _CMP_LT_OQ);
+                            q = _mm512_mask_add_epi32(q, up, q, _mm512_set1_epi32(step));
+                        }
+                        const __m512 d = _mm512_sub_ps(x, _mm512_mul_ps(_mm512_permutexvar_ps(q, tabv), amv));
+                        acc = _mm512_fmadd_ps(d, d, acc);
+                    }
+                    e = _mm512_reduce_add_ps(acc);
+                } else
+#endif
+                {
+#pragma omp simd reduction(+ : e)
+                    for (i64 k = 0; k < bs; k++) {
+                        float v = buf[k] * r;
+                        v = v < -1.f ? -1.f : v > 1.f ? 1.f : v;
+                        int q = 0;
+                        for (int j = 0; j < 15; j++) q += bounds[j] < v;
+                        const float d = buf[k] - code_sorted[q] * am;
+                        e += d * d;
+                    }
+                }
+                if (e < best_e) { best_e = e; best_am = am; }
             }
-            uint8_t* o = packed + base / 2;
-            for (i64 j = 0; j < bs / 2; j++) o[j] = (uint8_t)((order[idx[2 * j]] << 4) | order[idx[2 * j + 1]]);
+            absmax[b] = best_am;
+            bnb4_codes(buf, idx, bs, best_am, bounds, order, packed + base / 2);
         }
     }
 }
