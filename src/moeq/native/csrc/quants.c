@@ -7,6 +7,21 @@ void moeq_set_threads(int n) {
 #endif
 }
 
+// A group into buf as fp32; returns its absmax, *bad = whether it holds NaN/Inf.
+static inline float load_group_absmax(const void* w, int bf16, i64 base, i64 bs, float* buf, int* bad) {
+    load_group(w, bf16, base, bs, buf);
+    float am = 0.f;
+    int nbad = 0;
+#pragma omp simd reduction(max : am) reduction(+ : nbad)
+    for (i64 k = 0; k < bs; k++) {
+        const float a = fabsf(buf[k]);
+        nbad += !(a <= 3.402823466e38f);
+        am = a > am ? a : am;
+    }
+    *bad = nbad;
+    return am;
+}
+
 // ---------------------------------------------------------------- RTN -------------------------------------------
 // Symmetric vLLM grid, exactly torch's arithmetic in the weight's dtype (bf16: every op rounded to bf16).
 
@@ -20,15 +35,8 @@ void moeq_rtn_quantize_sym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int
         for (i64 r = 0; r < rows; r++) {
             for (i64 g = 0; g < G; g++) {
                 const i64 base = r * K + g * gs;
-                load_group(w, bf16, base, gs, buf);
-                float amax = 0.f;
-                int bad = 0;
-#pragma omp simd reduction(max : amax) reduction(+ : bad)
-                for (i64 k = 0; k < gs; k++) {
-                    const float a = fabsf(buf[k]);
-                    bad += !(a <= 3.402823466e38f);
-                    amax = a > amax ? a : amax;
-                }
+                int bad;
+                const float amax = load_group_absmax(w, bf16, base, gs, buf, &bad);
                 float s;
                 if (bad) {
                     s = NAN;
@@ -150,42 +158,18 @@ static inline void bnb4_codes(float* buf, int32_t* idx, i64 bs, float am, const 
     for (i64 j = 0; j < bs / 2; j++) o[j] = (uint8_t)((order[idx[2 * j]] << 4) | order[idx[2 * j + 1]]);
 }
 
-void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
-                        uint8_t* packed, float* absmax) {
-#pragma omp parallel
-    {
-        float buf[4096];
-        int32_t idx[4096];
-#pragma omp for schedule(static)
-        for (i64 b = 0; b < nblocks; b++) {
-            const i64 base = b * bs;
-            load_group(w, bf16, base, bs, buf);
-            float am = 0.f;
-            int bad = 0;
-#pragma omp simd reduction(max : am) reduction(+ : bad)
-            for (i64 k = 0; k < bs; k++) {
-                const float a = fabsf(buf[k]);
-                bad += !(a <= 3.402823466e38f);
-                am = a > am ? a : am;
-            }
-            absmax[b] = bad ? NAN : am;
-            if (bad) continue;
-            bnb4_codes(buf, idx, bs, am, bounds, order, packed + base / 2);
-        }
-    }
-}
-
-// The same blocks with a searched absmax (the plain-torch bnb4_absmax_search, natively): per block the stored
+// NF4/FP4 blocks with a searched absmax (the plain-torch bnb4_absmax_search, natively): per block the stored
 // absmax among absmax * (1 - (1 - min_alpha) i / candidates), i = 0..candidates, with the least squared error of
 // nearest-code decoding (x * (1/am) clamped to [-1, 1], bucketized on the sorted code's midpoints, ties low);
-// strictly better candidates win, so ties keep the larger absmax. Codes as moeq_bnb4_quantize's. bs <= 4096.
+// strictly better candidates win, so ties keep the larger absmax. candidates 0: the plain absmax (moeq_bnb4_quantize).
+// Codes as bnb4_codes. bs <= 4096.
 void moeq_bnb4_quantize_search(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
                                const float* code_sorted, int candidates, float min_alpha, uint8_t* packed,
                                float* absmax) {
 #if defined(__AVX512F__)
     float bpad[16];
     for (int j = 0; j < 16; j++) bpad[j] = j < 15 ? bounds[j] : INFINITY;
-    const __m512 bnd = _mm512_loadu_ps(bpad), tabv = _mm512_loadu_ps(code_sorted);
+    const __m512 bnd = _mm512_loadu_ps(bpad), tabv = code_sorted ? _mm512_loadu_ps(code_sorted) : _mm512_setzero_ps();
 #endif
 #pragma omp parallel
     {
@@ -194,18 +178,11 @@ void moeq_bnb4_quantize_search(const void* w, int bf16, i64 nblocks, i64 bs, con
 #pragma omp for schedule(static)
         for (i64 b = 0; b < nblocks; b++) {
             const i64 base = b * bs;
-            load_group(w, bf16, base, bs, buf);
-            float am0 = 0.f;
-            int bad = 0;
-#pragma omp simd reduction(max : am0) reduction(+ : bad)
-            for (i64 k = 0; k < bs; k++) {
-                const float a = fabsf(buf[k]);
-                bad += !(a <= 3.402823466e38f);
-                am0 = a > am0 ? a : am0;
-            }
+            int bad;
+            const float am0 = load_group_absmax(w, bf16, base, bs, buf, &bad);
             if (bad) { absmax[b] = NAN; continue; }
             float best_am = am0, best_e = INFINITY;
-            for (int i = 0; i <= candidates; i++) {
+            for (int i = 0; candidates > 0 && i <= candidates; i++) {
                 const float am = am0 * (float)(1.0 - (1.0 - (double)min_alpha) * i / candidates);
                 const float r = 1.0f / (am < 1e-38f ? 1e-38f : am);
                 float e = 0.f;
@@ -246,6 +223,12 @@ void moeq_bnb4_quantize_search(const void* w, int bf16, i64 nblocks, i64 bs, con
             bnb4_codes(buf, idx, bs, best_am, bounds, order, packed + base / 2);
         }
     }
+}
+
+// bitsandbytes' blocks with the plain absmax (its reference kernel's arithmetic). A block with NaN/Inf: NaN absmax.
+void moeq_bnb4_quantize(const void* w, int bf16, i64 nblocks, i64 bs, const float* bounds, const uint8_t* order,
+                        uint8_t* packed, float* absmax) {
+    moeq_bnb4_quantize_search(w, bf16, nblocks, bs, bounds, order, NULL, 0, 1.f, packed, absmax);
 }
 
 // out[i] = code[nibble(i)] * absmax[i / bs] (fp32 product, then rounded once to bf16 if asked).
