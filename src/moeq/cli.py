@@ -105,10 +105,13 @@ def _warn_slow_search(qcfg, nbytes: int) -> None:
     rate on a sample here and warn with an estimate for this checkpoint before the work starts."""
     import torch
 
-    def native_search(c) -> bool:  # the codebook grids' weighted search runs natively (~0.5 GB/s on 2 cores)
-        return getattr(c, "grid", "") in ("signed", "iq4nl") and getattr(c, "symmetric", False) and c.bits == 4
+    from moeq.config import RTN
+    from moeq.formats.rtn import searched_natively
 
-    slow = [c for c in (qcfg.default, *(c for _, c in qcfg.all_rules)) if not native_search(c)
+    def fast(c) -> bool:  # the codebook grids' weighted search runs natively (~0.5 GB/s on 2 cores)
+        return isinstance(c, RTN) and searched_natively(c.grid, c.bits, c.symmetric, c.search)
+
+    slow = [c for c in (qcfg.default, *(c for _, c in qcfg.all_rules)) if not fast(c)
             and (getattr(c, "search", 0) or getattr(c, "refine", 0) or getattr(c, "hqq", 0))]
     if not slow:
         return

@@ -12,7 +12,6 @@ FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -
 QUANT_TYPES = ("nf4", "fp4")
 # llama.cpp's IQ4_NL values (kvalues_iq4nl in ggml-common.h): a non-uniform 4-bit grid, value = block scale * entry
 IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-SIGNED4 = tuple(range(-8, 8))  # the signed grid (llama.cpp's Q4_0) as a codebook: code q -> q - 8
 
 
 def code4(quant_type: str) -> torch.Tensor:

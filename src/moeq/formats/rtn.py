@@ -32,7 +32,7 @@ import torch
 from moeq.formats.base import (
     PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, expect_tensor, row_chunks, tensor_field,
 )
-from moeq.formats.codebooks import IQ4NL, SIGNED4
+from moeq.formats.codebooks import IQ4NL
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 from moeq.errors import MoeqError
 
@@ -45,6 +45,12 @@ def valid_group_size(gs: int) -> bool:
 GRIDS = ("vllm", "signed", "iq4nl")
 CODEBOOKS = {"iq4nl": IQ4NL}  # grids whose values are a table: value = scale * table[code]
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
+
+
+def searched_natively(grid: str, bits: int, symmetric: bool, search: int) -> bool:
+    """Whether :func:`quantize` takes the importance-weighted codebook search (native, ~0.5 GB/s) for these
+    settings: always on the codebook grids, with ``search`` on the 4/5-bit signed grid."""
+    return symmetric and (grid in CODEBOOKS or (grid == "signed" and bool(search) and bits in (4, 5)))
 
 
 def grid_values(grid: str, bits: int = 4) -> tuple[int, ...] | None:
@@ -188,11 +194,11 @@ def quantize(
     plain-torch path (the native kernel's ground truth; both give identical bytes). ``search`` (number of clip
     candidates) and ``refine`` (least-squares rounds) turn on the calibration-free improvements of
     :mod:`moeq.formats.search`; ``hqq`` (iterations, asymmetric grids) runs HQQ-style half-quadratic
-    optimization after them. On the ``signed`` grid ``search`` is instead the importance-weighted scale search
-    (``importance``: an optional extra weight per input column, e.g. the preceding norm's scale squared)
-    (``2*search+1`` candidates per sign, weights ``weighting``: see the module docstring); the ``iq4nl`` grid always
-    runs it (``search`` 0: the refit at llama.cpp's starting scale only; llama.cpp's IQ4_NL tries 7). The storage
-    stays the same."""
+    optimization after them. On the 4/5-bit ``signed`` grid ``search`` is instead the importance-weighted scale
+    search (``2*search+1`` candidates per sign, weights ``weighting``, times ``importance`` per input column when
+    given, e.g. the preceding norm's scale squared; see the module docstring); the ``iq4nl`` grid always runs it
+    (``search`` 0: the refit at llama.cpp's starting scale only; llama.cpp's IQ4_NL tries 7). The storage stays
+    the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if not valid_group_size(group_size):
@@ -220,8 +226,8 @@ def quantize(
         raise MoeqError(f"refine works on the 'vllm' symmetric grid or asymmetric grids, not grid={grid!r}")
     if hqq and symmetric:
         raise MoeqError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
-    if symmetric and (grid in CODEBOOKS or (grid == "signed" and search and bits in (4, 5))):
-        q = _codebook_search(w, grid, gs, search, weighting, group_size, name, importance, native, bits)
+    if searched_natively(grid, bits, symmetric, search):
+        q = _codebook_search(w, grid, bits, gs, search, weighting, group_size, name, importance, native)
         if not torch.isfinite(q.scale).all():  # the kernel marks groups holding NaN/Inf
             check_finite(w, name)
         return check_result(q, w, name)
@@ -349,15 +355,13 @@ def _quantize_rows(g: torch.Tensor, bits: int, symmetric: bool, grid: str):
     return q.to(torch.uint8), scale.squeeze(-1), zero
 
 
-def _codebook_search(w: torch.Tensor, grid: str, gs: int, ntry: int, weighting: str, group_size: int,
-                     name: str | None, importance: torch.Tensor | None = None, native_ok: bool = True,
-                     nbits: int = 4) -> RTNWeight:
+def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, weighting: str, group_size: int,
+                     name: str | None, importance: torch.Tensor | None, native_ok: bool) -> RTNWeight:
     """Symmetric codebook grids (``iq4nl``; ``signed`` at 4 or 5 bits) through the importance-weighted scale search:
     native (``moeq_cb4_search``), else its plain-torch twin :func:`moeq.formats.search.codebook_search`."""
     from moeq import native  # noqa: PLC0415
 
     k = w.shape[-1]
-    bits = nbits if grid == "signed" else 4
     values = torch.tensor(grid_values(grid, bits), dtype=torch.float32)
     wc = w.contiguous()
     L = native.lib() if w.device.type == "cpu" and native_ok else None
