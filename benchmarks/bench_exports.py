@@ -30,7 +30,8 @@ from moeq.io.writer import write_json  # noqa: E402
 
 CASES = [("nf4", "bnb", "transformers5"), ("nf4", "bnb", "transformers4"), ("int8", "bnb", "transformers5"),
          ("rtn-int4", "compressed-tensors", None), ("rtn-int8", "compressed-tensors", None),
-         ("q4_0", "gguf", None), ("q8_0", "gguf", None)]
+         ("q4_0", "gguf", None), ("q8_0", "gguf", None), ("iq4nl", "gguf", None), ("q4_0-m", "gguf", None),
+         ("q5_0-m", "gguf", None)]
 
 
 def heldout_ids(tok, texts: list[str], tokens: int) -> torch.Tensor:
