@@ -83,6 +83,8 @@ def methods() -> dict[str, QuantConfig]:
         "ablation: iq4nl, no search": RTN(4, 32, grid="iq4nl", search=0, weighting="row"),
         "ablation: iq4nl, search 15": RTN(4, 32, grid="iq4nl", search=15, weighting="row"),
         "ablation: iq4nl, search 5": RTN(4, 32, grid="iq4nl", search=5, weighting="row"),
+        "iq4nl g64": RTN(4, 64, grid="iq4nl", search=7, weighting="row"),
+        "iq4nl g64, llama.cpp's x^2 weights": RTN(4, 64, grid="iq4nl", search=7, weighting="x2"),
         "iq4nl, k,v,o q8_0": QuantConfig(IQ4R, rules={"*.k_proj": Q80, "*.v_proj": Q80, "*.o_proj": Q80}),
         "iq4nl, k,v q8_0, down q8_0 in llama.cpp's more-bits layers": QuantConfig(
             IQ4R, rules={"*.k_proj": Q80, "*.v_proj": Q80, **{f"model.layers.{i}.mlp.experts.w2": Q80 for i in MORE}}),

@@ -1,5 +1,6 @@
 """The native library built for CPUs without AVX512 (``MOEQ_NATIVE_MARCH=x86-64-v3``, AVX2) passes the kernel and
-format tests too: the paths most users' laptops take are checked on this AVX512 machine."""
+format tests too, and its decode forwards (AVX2 + FMA kernels, fp32 activations) match the modules' own: the paths
+most users' laptops take are checked on this AVX512 machine."""
 import os
 import subprocess
 import sys
@@ -12,11 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_avx2_build_passes_kernel_tests(tmp_path):
     env = dict(os.environ, MOEQ_NATIVE_MARCH="x86-64-v3", XDG_CACHE_HOME=str(tmp_path / "cache"))
-    code = "from moeq import native; assert native.lib() is not None and not native.has_dpbf16(); print('avx2')"
+    code = ("from moeq import native; assert native.lib() is not None and not native.has_dpbf16() and "
+            "native.lib().moeq_simd_level() == 1; print('avx2')")  # the AVX2 kernels, not plain C
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "avx2" in r.stdout, r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        "tests/kernels/test_cpu_kernels.py", "tests/formats", "tests/test_compat.py"],
+                        "tests/kernels/test_cpu_kernels.py", "tests/formats", "tests/test_compat.py",
+                        "tests/models/test_decode_forwards.py", "tests/models/test_attention.py"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
 

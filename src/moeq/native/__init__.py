@@ -33,7 +33,7 @@ from moeq.errors import MoeqError
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c")
-HEADERS = ("moeq.h", "rtn4_rows.h")
+HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 (AVX2 only) to build and test what CPUs without AVX512 get
 
@@ -81,6 +81,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_int8_dequant": (None, [_P, _P, _I, _I, _P, _INT]),
     # gemv.c
     "moeq_has_dpbf16": (_INT, []),
+    "moeq_simd_level": (_INT, []),
     "moeq_rtn_gemv": (None, [_P, _P, _P, _I, _P, _P, _INT, _P, _INT, _I, _I, _I, _P]),
     "moeq_rtn4_gemv_bf16": (None, [_P, _P, _I, _P, _P, _INT, _P, _I, _I, _I, _P, _INT]),
     "moeq_rtn8_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _P]),
@@ -174,6 +175,14 @@ def has_dpbf16() -> bool:
     """The library was built with AVX512-BF16 (and VNNI) dot products."""
     L = lib()
     return bool(L is not None and L.moeq_has_dpbf16())
+
+
+@functools.cache
+def has_simd() -> bool:
+    """The library has SIMD decode kernels: AVX512-BF16/VNNI (bf16 activations), or AVX2 + FMA (fp32 activations) on
+    CPUs without AVX512. The native decode forwards (norms, routers, attention, heads, one-call linears) need one."""
+    L = lib()
+    return bool(L is not None and L.moeq_simd_level() > 0)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

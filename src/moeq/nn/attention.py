@@ -69,7 +69,7 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     hkv, s = key.shape[1], key.shape[2]
     if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
             or d % 16 or value.shape != key.shape or (mask is not None and mask.shape[1] != 1)
-            or not native.has_dpbf16()):
+            or not native.has_simd()):
         return None
     add = None
     if mask is not None:

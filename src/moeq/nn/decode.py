@@ -271,10 +271,10 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
 
 def install(model: nn.Module) -> dict[str, int]:
     """Give the model's bf16 RMSNorms, softmax top-k routers, Llama-style attention modules and bf16 output head their
-    native decode forwards where each reproduces the module's own output; returns how many of each got one. A no-op without the
-    native kernels (AVX512-BF16)."""
+    native decode forwards where each reproduces the module's own output; returns how many of each got one. A no-op without
+    SIMD native kernels (AVX512-BF16, or AVX2 + FMA)."""
     done = {"rms_norm": 0, "router": 0, "attention": 0, "head": 0}
-    if not native.has_dpbf16():
+    if not native.has_simd():
         return done
     done["head"] = int(_try_head(model))
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)

@@ -2,6 +2,7 @@
 // against dequantize + matmul within fp32 accumulation tolerance.
 #include "moeq.h"
 #include "rtn4_rows.h"
+#include "rows_avx2.h"
 
 // y[M, N] = x[M, K] @ dequant(W)^T, fp32 accumulation. xe/xo: x split into even/odd k (fp32, [M, K/2] each, 4-bit)
 // or xe = x ([M, K], 8-bit); xsum: per-group sums of x [M, G] (for the zero point). M <= 8.
@@ -88,6 +89,29 @@ void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, c
             }
             continue;
         }
+#elif defined(MOEQ_AVX2)
+        if (gs % 16 == 0) {
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                const i64 xs = bits == 8 ? K : K / 2;
+                const float* e = xe + m0 * xs;
+                const float* o = xo ? xo + m0 * xs : xo;
+                float out[8] = {0};
+                switch (mc) {
+#define RTN_CASE(c) case c: rtn_row_avx2(e, o, c, q, scale, scale_bf16, bits, n, K, gs, out); break;
+                    RTN_CASE(1) RTN_CASE(2) RTN_CASE(3) RTN_CASE(4) RTN_CASE(5) RTN_CASE(6) RTN_CASE(7) RTN_CASE(8)
+#undef RTN_CASE
+                }
+                for (i64 m = 0; m < mc; m++) {
+                    float zt = 0.f;
+                    for (i64 g = 0; g < G; g++)
+                        zt += (zero ? (float)zero[n * G + g] : half) * load_scale(scale, scale_bf16, n * G + g) *
+                              xsum[(m0 + m) * G + g];
+                    y[(m0 + m) * N + n] = out[m] - zt;
+                }
+            }
+            continue;
+        }
 #endif
         float zt[64] = {0}, out[64] = {0};
         {
@@ -122,6 +146,18 @@ void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, c
 // in fp32; only the summation order differs from the fp32 path. ~1.5-2x fewer instructions per weight.
 int moeq_has_dpbf16(void) {  // and AVX512-VNNI (the 8-bit kernel's int16 dot products); every such CPU has both
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Which SIMD kernels the library was built with: 2 AVX512-BF16/VNNI (bf16 activations through dot products), 1 AVX2 +
+// FMA (fp32 activations; rows_avx2.h), 0 plain C.
+int moeq_simd_level(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return 2;
+#elif defined(MOEQ_AVX2)
     return 1;
 #else
     return 0;
@@ -299,8 +335,8 @@ int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void*
 }
 
 // y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
-// routers (a few hundred KB of weight), where torch's CPU bf16 gemv is dominated by dispatch. K % 32 == 0; returns 0 (nothing
-// written) otherwise or without AVX512-BF16.
+// routers (a few hundred KB of weight), where torch's CPU bf16 gemv is dominated by dispatch, and kept heads. K % 32 == 0;
+// returns 0 (nothing written) otherwise or without AVX512-BF16 or AVX2.
 int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
 #if defined(__AVX512BF16__)
     if (K % 32) return 0;
@@ -315,6 +351,16 @@ int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, ui
             y[m * N + n] = f2bf(_mm512_reduce_add_ps(acc));
         }
     }
+    return 1;
+#elif defined(MOEQ_AVX2)
+    if (K % 32) return 0;
+    float* xs = (float*)malloc((size_t)(M * K) * sizeof(float));
+    if (!xs) return 0;
+    for (i64 m = 0; m < M; m++) x_split16_bf16(x + m * K, K, xs + m * K);
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+    for (i64 n = 0; n < N; n++)
+        for (i64 m = 0; m < M; m++) y[m * N + n] = f2bf(bf16_row_avx2(w + n * K, xs + m * K, K));
+    free(xs);
     return 1;
 #else
     (void)x; (void)M; (void)w; (void)N; (void)K; (void)y;
@@ -432,6 +478,20 @@ void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* pack
             }
             continue;
         }
+#elif defined(MOEQ_AVX2)
+        if (bs % 16 == 0) {
+            for (i64 m0 = 0; m0 < M; m0 += 8) {
+                const i64 mc = M - m0 < 8 ? M - m0 : 8;
+                float out[8] = {0};
+                switch (mc) {
+#define BNB_CASE(c) case c: bnb4_row_avx2(xe + m0 * (K / 2), xo + m0 * (K / 2), c, packed, absmax, code, n, K, bs, out); break;
+                    BNB_CASE(1) BNB_CASE(2) BNB_CASE(3) BNB_CASE(4) BNB_CASE(5) BNB_CASE(6) BNB_CASE(7) BNB_CASE(8)
+#undef BNB_CASE
+                }
+                for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
+            }
+            continue;
+        }
 #endif
         float out[64] = {0};
         {
@@ -508,10 +568,24 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 #endif
 }
 
-// The same in fp32 for any CPU: x [M, K] in order, gs % 8 == 0.
+// The same in fp32 for any CPU: x [M, K] in order, gs % 8 == 0 (AVX2: rows_avx2.h's row for gs % 32 == 0).
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
                    i64 N, i64 K, i64 gs, int bits, float* y) {
     const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
+#if defined(MOEQ_AVX2)
+    __m128i t[2];
+    float* xs = gs % 32 == 0 && cb_tables_i8(values, bits, t) ? (float*)malloc((size_t)(M * K) * sizeof(float)) : NULL;
+    if (xs) {
+        for (i64 m = 0; m < M; m++) x_split32(x + m * K, K, xs + m * K);
+#pragma omp parallel for schedule(static)
+        for (i64 n = 0; n < N; n++)
+            for (i64 m = 0; m < M; m++)
+                y[m * N + n] = bits == 5 ? cb_row_avx2(xs + m * K, q, scale, scale_bf16, t, n, K, gs, 1)
+                                         : cb_row_avx2(xs + m * K, q, scale, scale_bf16, t, n, K, gs, 0);
+        free(xs);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (i64 n = 0; n < N; n++)
         for (i64 m = 0; m < M; m++) {

@@ -16,7 +16,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -118,6 +118,7 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
 // ---- exports (gemv.c) ----
 int moeq_has_dpbf16(void);
+int moeq_simd_level(void);
 void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, const uint8_t* q, const void* scale,
                    int scale_bf16, const uint8_t* zero, int bits, i64 N, i64 K, i64 gs, float* y);
 void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale,

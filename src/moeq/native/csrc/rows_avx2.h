@@ -1,0 +1,195 @@
+// Row kernels for CPUs with AVX2 + FMA and no AVX512 (most laptops and desktops; MOEQ_NATIVE_MARCH=x86-64-v3 builds
+// them here): fp32 activations, exact fp32 products, fp32 accumulation — the numerics of the plain-C loops they
+// replace, in another summation order. Included by gemv.c; each returns one output element.
+#ifndef MOEQ_ROWS_AVX2_H
+#define MOEQ_ROWS_AVX2_H
+#include "moeq.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define MOEQ_AVX2 1
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// ---- bf16 weights (kept heads, routers) ----
+// x (bf16 bits) as fp32 in the order the bf16 row reads it: per 16-chunk its 8 even elements, then its 8 odd ones.
+static inline void x_split16_bf16(const uint16_t* x, i64 K, float* xs) {
+    for (i64 c = 0; c < K; c += 16)
+        for (int j = 0; j < 8; j++) {
+            xs[c + j] = bf2f(x[c + 2 * j]);
+            xs[c + 8 + j] = bf2f(x[c + 2 * j + 1]);
+        }
+}
+
+// A 32-bit lane holds two bf16 weights: shifted left 16 it is the even one as fp32, masked to its high half the odd
+// one — 16 weights for a load, two integer ops and two FMAs. K % 16 == 0.
+static inline float bf16_row_avx2(const uint16_t* w, const float* xs, i64 K) {
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (i64 k = 0; k < K; k += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + k));
+        a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), _mm256_loadu_ps(xs + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), _mm256_loadu_ps(xs + k + 8), a1);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+}
+
+// ---- 4/5-bit codebook grids (value = scale * values[code]: iq4nl, Q4_0/Q5_0-style signed grids) ----
+// x fp32 per 32-chunk as its 16 even elements, then its 16 odd ones (the low / high nibbles of 16 packed bytes).
+static inline void x_split32(const float* x, i64 K, float* xs) {
+    for (i64 c = 0; c < K; c += 32)
+        for (int j = 0; j < 16; j++) {
+            xs[c + j] = x[c + 2 * j];
+            xs[c + 16 + j] = x[c + 2 * j + 1];
+        }
+}
+
+// Codebooks whose values are all integers in [-128, 127] (every moeq grid) as int8 tables for vpshufb: t[0] the
+// first 16 values, t[1] the next 16 (5-bit). Returns 0 (use the plain loop) when a value does not fit.
+static inline int cb_tables_i8(const float* values, int bits, __m128i* t) {
+    int8_t b[32] = {0};
+    for (int i = 0; i < (bits == 5 ? 32 : 16); i++) {
+        const float v = values[i];
+        if (!(v >= -128.f && v <= 127.f) || v != (float)(int)v) return 0;
+        b[i] = (int8_t)(int)v;
+    }
+    t[0] = _mm_loadu_si128((const __m128i*)b);
+    t[1] = _mm_loadu_si128((const __m128i*)(b + 16));
+    return 1;
+}
+
+// 16 mask bits -> 16 bytes of 0xFF / 0x00.
+static inline __m128i bits_to_bytes16(uint32_t m) {
+    const __m128i v = _mm_shuffle_epi8(_mm_set1_epi16((short)m),
+                                       _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    return _mm_cmpeq_epi8(_mm_and_si128(v, bit), bit);
+}
+
+static inline uint32_t pext32(uint32_t h, uint32_t m) {
+#if defined(__BMI2__)
+    return _pext_u32(h, m);
+#else
+    uint32_t r = 0;
+    for (int i = 0, j = 0; i < 32; i++)
+        if ((m >> i) & 1) r |= ((h >> i) & 1u) << j++;
+    return r;
+#endif
+}
+
+// 16 int8 values -> the dot product of their fp32 with 16 floats.
+static inline __m256 dot16_i8(__m128i v, const float* x) {
+    const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(x));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), _mm256_loadu_ps(x + 8), a);
+}
+
+// One output row: each 16 packed bytes are 32 weights; their nibbles index the int8 table (vpshufb; 5-bit: the
+// fifth bits of the plane after the K/2 nibble bytes, LSB first, choose the second table), values widen to fp32 and
+// meet x_split32's layout. gs % 32 == 0.
+static inline __attribute__((always_inline)) float cb_row_avx2(
+    const float* xs, const uint8_t* q, const void* scale, int scale_bf16, const __m128i* t, i64 n, i64 K, i64 gs,
+    const int five) {
+    const i64 G = K / gs;
+    const uint8_t* qn = q + n * (five ? K / 8 * 5 : K / 2);
+    const uint8_t* hb = qn + K / 2;
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        __m256 v = _mm256_setzero_ps();
+        for (i64 c = g * gs; c < (g + 1) * gs; c += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i*)(qn + c / 2));
+            const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+            __m128i ve, vo;
+            if (five) {
+                uint32_t h;
+                memcpy(&h, hb + c / 8, 4);
+                ve = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], lo), _mm_shuffle_epi8(t[1], lo),
+                                     bits_to_bytes16(pext32(h, 0x55555555u)));
+                vo = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], hi), _mm_shuffle_epi8(t[1], hi),
+                                     bits_to_bytes16(pext32(h, 0xAAAAAAAAu)));
+            } else {
+                ve = _mm_shuffle_epi8(t[0], lo);
+                vo = _mm_shuffle_epi8(t[0], hi);
+            }
+            v = _mm256_add_ps(v, _mm256_add_ps(dot16_i8(ve, xs + c), dot16_i8(vo, xs + c + 16)));
+        }
+        acc = _mm256_fmadd_ps(v, _mm256_set1_ps(load_scale(scale, scale_bf16, n * G + g)), acc);
+    }
+    return hsum8(acc);
+}
+
+// ---- RTN 4/8-bit (value = scale * (code - zero); the zero-point term is the caller's) ----
+// sum over the row of s_g * sum_k code * x: 4-bit x split into even (xe) / odd (xo) elements [K/2], 8-bit x in order.
+static inline __attribute__((always_inline)) void rtn_row_avx2(
+    const float* xe, const float* xo, const i64 M, const uint8_t* q, const void* scale, int scale_bf16, int bits,
+    i64 n, i64 K, i64 gs, float* out) {
+    const i64 G = K / gs;
+    const __m256i m4 = _mm256_set1_epi32(15);
+    __m256 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        __m256 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm256_setzero_ps();
+        if (bits == 8) {
+            const uint8_t* qq = q + n * K + g * gs;
+            for (i64 k = 0; k < gs; k += 8) {
+                const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qq + k))));
+                for (i64 m = 0; m < M; m++) v[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xe + m * K + g * gs + k), v[m]);
+            }
+        } else {
+            const uint8_t* qq = q + n * (K / 2) + g * gs / 2;
+            for (i64 j = 0; j < gs / 2; j += 8) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qq + j)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, m4));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                const i64 o = g * gs / 2 + j;
+                for (i64 m = 0; m < M; m++)
+                    v[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xo + m * (K / 2) + o),
+                                           _mm256_fmadd_ps(lo, _mm256_loadu_ps(xe + m * (K / 2) + o), v[m]));
+            }
+        }
+        const __m256 sv = _mm256_set1_ps(load_scale(scale, scale_bf16, n * G + g));
+        for (i64 m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(v[m], sv, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+}
+
+// ---- NF4/FP4 (value = absmax * code[nibble], even element in the HIGH nibble) ----
+// 16-entry fp32 table lookup as two 8-entry permutes chosen by the nibble's bit 3. xe/xo as the RTN row's.
+static inline __m256 lut16_ps(__m256i idx, __m256 t0, __m256 t1) {
+    const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx), sel);
+}
+
+static inline __attribute__((always_inline)) void bnb4_row_avx2(
+    const float* xe, const float* xo, const i64 M, const uint8_t* packed, const float* absmax, const float* code,
+    i64 n, i64 K, i64 bs, float* out) {
+    const i64 nbr = K / bs;
+    const __m256 t0 = _mm256_loadu_ps(code), t1 = _mm256_loadu_ps(code + 8);
+    const __m256i m4 = _mm256_set1_epi32(15);
+    __m256 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (i64 g = 0; g < nbr; g++) {
+        const uint8_t* p = packed + (n * K + g * bs) / 2;
+        __m256 v[8];
+        for (i64 m = 0; m < M; m++) v[m] = _mm256_setzero_ps();
+        for (i64 j = 0; j < bs / 2; j += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + j)));
+            const __m256 hi = lut16_ps(_mm256_srli_epi32(b, 4), t0, t1);
+            const __m256 lo = lut16_ps(_mm256_and_si256(b, m4), t0, t1);
+            const i64 o = g * bs / 2 + j;
+            for (i64 m = 0; m < M; m++)
+                v[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xo + m * (K / 2) + o),
+                                       _mm256_fmadd_ps(hi, _mm256_loadu_ps(xe + m * (K / 2) + o), v[m]));
+        }
+        const __m256 av = _mm256_set1_ps(absmax[n * nbr + g]);
+        for (i64 m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(v[m], av, acc[m]);
+    }
+    for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+}
+#endif
+#endif
