@@ -7,11 +7,15 @@ prompt, and a 512-token prefill to the first token) measure the same weights. Wr
 
 llama-bench is found with --llama-bench, or in the cache where benchmarks/llamacpp.py says how to build it.
 Without it the script says so and exits 0.
+
+--isa avx2 runs the same head-to-head for CPUs without AVX512: moeq's native library built with
+MOEQ_NATIVE_MARCH=x86-64-v3 (AVX2 + FMA kernels) against llama.cpp's build-avx2 (-DGGML_NATIVE=OFF -DGGML_AVX512=OFF).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import moeq  # noqa: E402
-from moeq import bench  # noqa: E402
+from moeq import bench, config, native  # noqa: E402
+from moeq.config import QuantConfig  # noqa: E402
 from moeq.export import export  # noqa: E402
 from moeq.io.writer import write_json  # noqa: E402
 
@@ -54,18 +59,31 @@ def moeq_measure(model) -> dict:
     return {"decode_tps": dec, "decode_b4_tps": dec4, "prefill512_tps": 512 / pre, "prefill2048_tps": 2048 / pre2k}
 
 
+def quant_config(method: str) -> QuantConfig:
+    """A method name, or ``METHOD+head:HEAD`` for a quantized lm_head too (e.g. ``q4_0+head:q8_0``: llama.cpp's Q4_0
+    with an ``output`` Q8_0, the issue's third pairing)."""
+    base, _, head = method.partition("+head:")
+    return QuantConfig(config.method(base), rules={"lm_head": config.method(head)}) if head else QuantConfig.of(base)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="the bench checkpoint (default: written by moeq.bench, cached)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--methods", nargs="+", default=["q4_0"])
+    ap.add_argument("--methods", nargs="+", default=["q4_0"], help="methods, or METHOD+head:HEAD (see quant_config)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--llama-bench", default=None)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_llamacpp.json"))
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="avx2: both systems built for AVX2 + FMA only (moeq: MOEQ_NATIVE_MARCH=x86-64-v3)")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/vs_llamacpp[_avx2].json")
     args = ap.parse_args()
-    exe = find_tool("llama-bench", args.llama_bench)
-    batched = find_tool("llama-batched-bench")
+    build = "build" if args.isa == "native" else "build-avx2"
+    if args.isa == "avx2":  # read when the native library is first built, below
+        os.environ[native.ISA_ENV] = "x86-64-v3"
+    out = args.out or str(ROOT / "benchmarks" / "results" / f"vs_llamacpp{'' if args.isa == 'native' else '_avx2'}.json")
+    exe = find_tool("llama-bench", args.llama_bench, build)
+    batched = find_tool("llama-batched-bench", None, build)
     if batched is None:
         print("llama-batched-bench not found (cmake --build build --target llama-batched-bench): no b4 rows")
     if exe is None or not exe.exists():
@@ -75,8 +93,8 @@ def main() -> None:
         Path.home() / ".cache" / "moeq-bench" / f"qwen3-30b-a3b-shape-{args.layers}L-v151936", args.layers)
     rows = []
     for method in args.methods:
-        gguf = CACHE / f"bench-{args.layers}L-{method}.gguf"
-        model = moeq.load(src, quant=method, progress=False)
+        gguf = CACHE / f"bench-{args.layers}L-{method.replace(':', '-')}.gguf"
+        model = moeq.load(src, quant=quant_config(method), progress=False)
         if not gguf.exists():
             tok = src
             if not (src / "tokenizer.json").exists():  # the bench model has random weights and no tokenizer: a
@@ -104,8 +122,9 @@ def main() -> None:
         for sys_ in ("llama.cpp", "moeq"):
             for k, v in r[sys_].items():
                 b[sys_][k] = max(b[sys_].get(k, 0.0), v)
-    res = {"model": str(src), "threads": args.threads, "llama_bench": str(exe), "rounds": rows, "best": best}
-    write_json(args.out, res)
+    res = {"model": str(src), "threads": args.threads, "isa": args.isa, "moeq_simd_level": native.lib().moeq_simd_level(),
+           "llama_bench": str(exe), "rounds": rows, "best": best}
+    write_json(out, res)
     keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "prefill 512"),
             ("prefill2048_tps", "prefill 2048")]
     print("\n| weights | " + " | ".join(f"{label} llama.cpp / moeq tok/s (ratio)" for _, label in keys)
@@ -114,7 +133,8 @@ def main() -> None:
         lc, mq = b["llama.cpp"], b["moeq"]
         cells = [f"{lc[k]:.1f} / {mq[k]:.1f} ({mq[k] / lc[k]:.2f})" if k in lc and k in mq else "n/a" for k, _ in keys]
         roof = b["roofline_tps"]
-        print(f"| {method}, bf16 lm_head | " + " | ".join(cells)
+        head = method.partition("+head:")[2] or "bf16"
+        print(f"| {method.partition('+head:')[0]}, {head} lm_head | " + " | ".join(cells)
               + f" | {roof:.0f} ({lc['decode_tps'] / roof:.0%} / {mq['decode_tps'] / roof:.0%}) |")
 
 

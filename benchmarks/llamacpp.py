@@ -8,6 +8,12 @@
           -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench llama-quantize \\
           llama-batched-bench
 
+and, for the AVX2 head-to-head (what CPUs without AVX512 run; bench_vs_llamacpp.py --isa avx2), a second build:
+
+    cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+          -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release \
+          && cmake --build build-avx2 -j2 --target llama-bench llama-batched-bench
+
 ``convert_hf_to_gguf.py`` (same folder) needs ``sentencepiece`` for Llama-family checkpoints; it is not a moeq
 dependency: ``pip install --target ~/.cache/moeq-llamacpp/pydeps sentencepiece`` (put on PYTHONPATH by
 :func:`convert`)."""
@@ -29,11 +35,11 @@ def vendor_dir() -> Path | None:
     return hits[-1] if hits else None
 
 
-def find_tool(name: str, given: str | None = None) -> Path | None:
+def find_tool(name: str, given: str | None = None, build: str = "build") -> Path | None:
     if given:
         return Path(given)
     v = vendor_dir()
-    exe = v / "build" / "bin" / name if v else None
+    exe = v / build / "bin" / name if v else None
     return exe if exe is not None and exe.exists() else None
 
 

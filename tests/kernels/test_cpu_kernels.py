@@ -317,3 +317,43 @@ def test_rtn8_int16_activations_edge_cases():
     x[0, 5] = float("inf")
     y = cpu_ops.rtn_gemv(q, x, None, max_rows=cpu_ops.MAX_ROWS)
     assert y[2].isnan().all() and y[0].isnan().all() and y[1].isfinite().all()
+
+
+@pytest.mark.parametrize("cfg", [RTN(8, -1, symmetric=False), RTN(8, 32, grid="signed"), RTN(4, 128),
+                                 RTN(4, 32, symmetric=False), RTN(4, 32, grid="iq4nl"), RTN(5, 32, grid="signed")],
+                         ids=lambda c: c.label())
+def test_one_call_linear_activation_edge_cases(cfg):
+    """The decode linear's activation forms (bf16 on AVX512-BF16; int16 per 32 elements on AVX2, run by test_isa):
+    the largest products in every lane over a long row (no integer overflow), a chunk spanning 2^20, an all-zero
+    chunk, and NaN/Inf activations (non-finite out for that row, not garbage)."""
+    from moeq import native
+    from moeq.nn import QuantLinear
+
+    if not native.has_simd():
+        pytest.skip("needs a SIMD build (AVX512-BF16 or AVX2)")
+    k = 4096
+    w = torch.ones(64, k)
+    w[:, 1::2] = -1.0
+    w[1::2] *= -1
+    mod = QuantLinear(cfg.quantize(w.bfloat16()))
+    x = torch.full((2, k), 3.0e4).bfloat16()
+    x[1, 1::2] = -3.0e4
+    y = cpu_ops.quant_linear_bf16(mod, x)
+    assert y is not None
+    exact = x.double() @ mod.qweight.dequantize(torch.float32).double().t()
+    assert ((y.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-3 * exact.abs().max()).all()
+
+    torch.manual_seed(0)
+    mod = QuantLinear(cfg.quantize((torch.randn(96, 512) * 0.05).bfloat16()))
+    x = torch.randn(3, 512)
+    x[0, :128] *= torch.logspace(-6, 0, 128)
+    x[1, 128:256] = 0
+    x = x.bfloat16()
+    y = cpu_ops.quant_linear_bf16(mod, x).double()
+    wd = mod.qweight.dequantize(torch.float32).double()
+    exact = x.double() @ wd.t()
+    assert ((y - exact).abs() <= 2.0 ** -8 * exact.abs() + 2.0 ** -14 * (x.double().abs() @ wd.abs().t())).all()
+    x[2, 300] = float("nan")
+    x[0, 5] = float("inf")
+    y = cpu_ops.quant_linear_bf16(mod, x)  # NaN, or +-inf where the exact result is (codebooks have no zero value)
+    assert y[2].isnan().all() and not y[0].isfinite().any() and y[1].isfinite().all()

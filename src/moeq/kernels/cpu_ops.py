@@ -123,7 +123,7 @@ def _linear_plan(module) -> tuple | None:
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
     w, keep = module.qweight, []
-    stack = describe(w, keep, dot_bf16=native.has_dpbf16()) if len(w.shape) == 2 else None
+    stack = describe(w, keep, dot_bf16=True) if len(w.shape) == 2 else None
     plan = None
     if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and native.usable(bias))):
         n, k = w.shape
@@ -136,7 +136,8 @@ def _linear_plan(module) -> tuple | None:
 def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
     """A :class:`~moeq.nn.QuantLinear`'s decode path for bf16 activations (RTN 4/8-bit, codebook grids, NF4/FP4):
     the whole linear (activation layout, gemv, rounding, bias) in one native call, or None outside its domain. With
-    AVX512-BF16 the kernels take the activations as bf16; with AVX2 as fp32."""
+    AVX512-BF16 the kernels take the activations as bf16; with AVX2 as int16 per 32 elements (RTN, codebooks; exact
+    for bf16 values within 2^7 of their chunk's largest) or fp32 (NF4/FP4)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not native.has_simd():
         return None
     plan = _linear_plan(module)

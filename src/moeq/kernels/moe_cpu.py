@@ -23,7 +23,8 @@ _DESCRIBERS, describer = by_format("native weight description")
 def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
     """Describe an expert stack ``[E, N, K]`` (or one weight ``[N, K]``) for the native kernels, or None outside their
     formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
-    may take activations as bf16 (AVX512-BF16 dot products)."""
+    may take activations as bf16 (AVX512-BF16 dot products) or, on AVX2 builds, RTN and codebook grids as int16
+    (``moeq_avx2_gemv_i16``)."""
     fn = _DESCRIBERS.get(w.format)
     if fn is None or len(w.shape) not in (2, 3):
         return None
@@ -105,7 +106,7 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     if L is None or x.device.type != "cpu" or max(counts) > MAX_ROWS:
         return None
     keep: list = []
-    dot = x.dtype == torch.bfloat16 and native.has_dpbf16()
+    dot = x.dtype == torch.bfloat16 and native.has_simd()
     s13, s2 = describe(w13, keep, dot), describe(w2, keep, dot)
     if s13 is None or s2 is None:
         return None
@@ -130,8 +131,8 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
 
 
 def _expert_parallel(s13: WStack, s2: WStack) -> bool:
-    """4-bit RTN experts with bf16 activations: the layer kernel parallel across experts."""
-    return (s13.fmt == s2.fmt == Fmt.RTN and all(s.bits == 4 or s.lut for s in (s13, s2))
+    """4-bit RTN experts with bf16 activations on AVX512-BF16: the layer kernel parallel across experts."""
+    return (native.has_dpbf16() and s13.fmt == s2.fmt == Fmt.RTN and all(s.bits == 4 or s.lut for s in (s13, s2))
             and bool(s13.dot_bf16 and s2.dot_bf16))
 
 
@@ -164,7 +165,7 @@ def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     t, a = top_k_index.shape
     if L is None or x.device.type != "cpu" or t > MAX_ROWS:
         return None
-    stacks = _plan(module, x.dtype == torch.bfloat16 and native.has_dpbf16())
+    stacks = _plan(module, x.dtype == torch.bfloat16 and native.has_simd())
     if stacks is None:
         return None
     s13, s2 = stacks

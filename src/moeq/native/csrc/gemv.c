@@ -568,6 +568,38 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 #endif
 }
 
+// AVX2 builds, bf16 models: y[m, N] = x[m, K] @ W[e]^T for RTN 4/8-bit and the 4/5-bit codebook grids through
+// rows_avx2.h's int16-activation rows (gs % 32 == 0). scratch: m*K/2 + m*K/32 + 16 floats. Returns 0 (nothing
+// written) outside that domain or on other builds.
+int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+#if defined(MOEQ_AVX2)
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    const int bits = w->bits, cb = w->values != NULL;
+    __m128i t[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+    if (w->fmt != MOEQ_FMT_RTN || w->gs % 32 || K % 32 || !(cb ? bits == 4 || bits == 5 : bits == 4 || bits == 8) ||
+        (cb && (w->zero || !cb_tables_i8(w->values, bits, t))))
+        return 0;
+    int16_t* xq = (int16_t*)scratch;
+    float* sx = scratch + m * K / 2;
+    for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, bits != 8, xq + r * K, sx + r * K / 32);
+    const uint8_t* q = w->q + e * N * (bits == 8 ? K : bits == 5 ? K / 8 * 5 : K / 2);
+    const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+    const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
+#define ROWS(B, CB)                                                                                           \
+    _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++) for (i64 r = 0; r < m; r++)      \
+        y[r * N + n] = row_i16(xq + r * K, sx + r * K / 32, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB);
+    if (cb && bits == 5) { ROWS(5, 1) }
+    else if (cb) { ROWS(4, 1) }
+    else if (bits == 8) { ROWS(8, 0) }
+    else { ROWS(4, 0) }
+#undef ROWS
+    return 1;
+#else
+    (void)w; (void)e; (void)x; (void)m; (void)y; (void)scratch;
+    return 0;
+#endif
+}
+
 // The same in fp32 for any CPU: x [M, K] in order, gs % 8 == 0 (AVX2: rows_avx2.h's row for gs % 32 == 0).
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
                    i64 N, i64 K, i64 gs, int bits, float* y) {

@@ -20,6 +20,7 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
+    if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
     if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 4/5-bit codebook grid
         const i64 G = K / w->gs;
         const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
@@ -320,7 +321,7 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && (w13->bits == 4 || w13->lut) &&
+        if (moeq_has_dpbf16() && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && (w13->bits == 4 || w13->lut) &&
             (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
             moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
         else

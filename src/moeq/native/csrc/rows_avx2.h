@@ -158,6 +158,93 @@ static inline __attribute__((always_inline)) void rtn_row_avx2(
     for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
 }
 
+// ---- bf16 models: int16 activations (vpmaddwd, 16 multiply-adds per instruction) ----
+// x as int16 per 32-chunk, scaled by a power of two so that the chunk's largest lands in [2^14, 2^15): a bf16 value
+// has 8 significant bits, so every element within 2^7 of its chunk's largest is exact and the rest are off by at most
+// 2^-16 of it (the AVX512 8-bit kernel's numerics); fp32 inputs are off by at most 2^-16 of their chunk's largest.
+// sx[c] = the chunk's scale, NaN for a chunk holding NaN/Inf (its outputs come out NaN), 0 for an all-zero one.
+// split: each chunk as its 16 even elements then its 16 odd ones (the low / high nibbles of 16 packed bytes).
+static inline void x_to_i16_32(const float* x, i64 K, int split, int16_t* xq, float* sx) {
+    for (i64 c = 0; c < K; c += 32) {
+        float amax = 0.f;
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            const float a = fabsf(x[c + k]);
+            bad |= !(a <= 3.402823466e38f);
+            amax = a > amax ? a : amax;
+        }
+        if (bad || amax < 1e-30f) {
+            memset(xq + c, 0, 32 * sizeof(int16_t));
+            sx[c / 32] = bad ? NAN : 0.f;
+            continue;
+        }
+        int e;
+        frexpf(amax, &e);
+        const float inv = ldexpf(1.f, 15 - e);
+        for (int k = 0; k < 32; k++) {
+            long v = lrintf(x[c + k] * inv);
+            v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;  // fp32 inputs may round up to 2^15
+            xq[c + (split ? (k & 1) * 16 + (k >> 1) : k)] = (int16_t)v;
+        }
+        sx[c / 32] = ldexpf(1.f, e - 15);
+    }
+}
+
+// Two 16-weight int16 vectors against the chunk's 32 int16 activations -> 8 int32 partial sums.
+static inline __m256i madd32(__m256i w0, __m256i w1, const int16_t* xq) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xq)),
+                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 16))));
+}
+
+// One output row of a 4/5-bit codebook grid (int8 table values, see cb_row_avx2) or of 4/8-bit RTN (codes minus the
+// zero point, default 2^(bits-1)), x from x_to_i16_32 (split for 4/5-bit). gs % 32 == 0. Exact integer dot products
+// per 32-chunk, then fp32.
+static inline __attribute__((always_inline)) float row_i16(
+    const int16_t* xq, const float* sx, const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero,
+    const __m128i* t, i64 n, i64 K, i64 gs, const int bits, const int codebook) {
+    const i64 G = K / gs;
+    const uint8_t* qn = q + n * (bits == 8 ? K : bits == 5 ? K / 8 * 5 : K / 2);
+    const uint8_t* hb = qn + K / 2;
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (i64 g = 0; g < G; g++) {
+        const __m256i zv = _mm256_set1_epi16((short)(zero ? zero[n * G + g] : 1 << (bits - 1)));
+        __m256 v = _mm256_setzero_ps();
+        for (i64 c = g * gs; c < (g + 1) * gs; c += 32) {
+            __m256i p;
+            if (bits == 8) {
+                const __m128i b0 = _mm_loadu_si128((const __m128i*)(qn + c)), b1 = _mm_loadu_si128((const __m128i*)(qn + c + 16));
+                p = madd32(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b0), zv), _mm256_sub_epi16(_mm256_cvtepu8_epi16(b1), zv),
+                           xq + c);
+            } else {
+                const __m128i b = _mm_loadu_si128((const __m128i*)(qn + c / 2));
+                const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                if (codebook) {
+                    __m128i ve, vo;
+                    if (bits == 5) {
+                        uint32_t h;
+                        memcpy(&h, hb + c / 8, 4);
+                        ve = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], lo), _mm_shuffle_epi8(t[1], lo),
+                                             bits_to_bytes16(pext32(h, 0x55555555u)));
+                        vo = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], hi), _mm_shuffle_epi8(t[1], hi),
+                                             bits_to_bytes16(pext32(h, 0xAAAAAAAAu)));
+                    } else {
+                        ve = _mm_shuffle_epi8(t[0], lo);
+                        vo = _mm_shuffle_epi8(t[0], hi);
+                    }
+                    p = madd32(_mm256_cvtepi8_epi16(ve), _mm256_cvtepi8_epi16(vo), xq + c);
+                } else {
+                    p = madd32(_mm256_sub_epi16(_mm256_cvtepu8_epi16(lo), zv), _mm256_sub_epi16(_mm256_cvtepu8_epi16(hi), zv),
+                               xq + c);
+                }
+            }
+            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sx[c / 32]), v);
+        }
+        acc = _mm256_fmadd_ps(v, _mm256_set1_ps(load_scale(scale, scale_bf16, n * G + g)), acc);
+    }
+    return hsum8(acc);
+}
+
 // ---- NF4/FP4 (value = absmax * code[nibble], even element in the HIGH nibble) ----
 // 16-entry fp32 table lookup as two 8-entry permutes chosen by the nibble's bit 3. xe/xo as the RTN row's.
 static inline __m256 lut16_ps(__m256i idx, __m256 t0, __m256 t1) {
