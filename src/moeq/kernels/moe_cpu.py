@@ -131,8 +131,9 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
 
 
 def _expert_parallel(s13: WStack, s2: WStack) -> bool:
-    """4-bit RTN experts with bf16 activations on AVX512-BF16: the layer kernel parallel across experts."""
-    return (native.has_dpbf16() and s13.fmt == s2.fmt == Fmt.RTN and all(s.bits == 4 or s.lut for s in (s13, s2))
+    """4-bit RTN and codebook experts with bf16 activations (AVX512-BF16 or AVX2): the layer kernel parallel across
+    experts."""
+    return (native.has_simd() and s13.fmt == s2.fmt == Fmt.RTN and all(s.bits == 4 or s.lut for s in (s13, s2))
             and bool(s13.dot_bf16 and s2.dot_bf16))
 
 

@@ -586,8 +586,20 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
     const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
     const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
 #define ROWS(B, CB)                                                                                           \
-    _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++) for (i64 r = 0; r < m; r++)      \
-        y[r * N + n] = row_i16(xq + r * K, sx + r * K / 32, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB);
+    _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)                                  \
+        for (i64 r0 = 0; r0 < m; r0 += 4) {                                                                   \
+            const i64 mc = m - r0 < 4 ? m - r0 : 4;                                                           \
+            float o[4];                                                                                       \
+            const int16_t* xr = xq + r0 * K;                                                                  \
+            const float* sr = sx + r0 * K / 32;                                                               \
+            switch (mc) {                                                                                     \
+                case 1: row_i16(xr, sr, 1, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
+                case 2: row_i16(xr, sr, 2, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
+                case 3: row_i16(xr, sr, 3, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
+                default: row_i16(xr, sr, 4, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;        \
+            }                                                                                                 \
+            for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r];                                          \
+        }
     if (cb && bits == 5) { ROWS(5, 1) }
     else if (cb) { ROWS(4, 1) }
     else if (bits == 8) { ROWS(8, 0) }

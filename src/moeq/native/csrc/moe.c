@@ -2,6 +2,7 @@
 // both over moeq_wstack descriptions of the weights.
 #include "moeq.h"
 #include "rtn4_rows.h"
+#include "rows_avx2.h"
 
 // ---------------------------------------------------------------- fused MoE (decode) -----------------------------
 // One call per MoE layer for the token-expert pairs of a decode step: for each expert with rows, y = w2 @
@@ -206,6 +207,30 @@ static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, cons
 }
 #endif
 
+#if defined(MOEQ_AVX2)
+// One output row n of one expert for its m (1..8) x rows (int16, x_to_i16_32's split layout, scales sx [8, K/32]):
+// rows_avx2.h's row_i16 in chunks of 4 rows; q, scale and zero point at the expert's weight.
+static inline void avx2_rows(const moeq_wstack* w, const int16_t* xq, const float* sx, i64 m, const uint8_t* q,
+                             const void* sc, const uint8_t* z, const __m128i* t, i64 n, i64 K, float* o) {
+    for (i64 r0 = 0; r0 < m; r0 += 4) {
+        const i64 mc = m - r0 < 4 ? m - r0 : 4;
+        const int16_t* xr = xq + r0 * K;
+        const float* sr = sx + r0 * (K / 32);
+#define AR(B, CB)                                                                                              \
+    switch (mc) {                                                                                              \
+        case 1: row_i16(xr, sr, 1, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o + r0); break;             \
+        case 2: row_i16(xr, sr, 2, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o + r0); break;             \
+        case 3: row_i16(xr, sr, 3, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o + r0); break;             \
+        default: row_i16(xr, sr, 4, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o + r0); break;            \
+    }
+        if (w->lut && w->bits == 5) { AR(5, 1) }
+        else if (w->lut) { AR(4, 1) }
+        else { AR(4, 0) }
+#undef AR
+    }
+}
+#endif
+
 // The same layer for 4-bit RTN experts with bf16 activations, parallel across experts: one parallel loop over the
 // rows of every active expert's w13 (SiLU-GLU applied after), one over every active expert's w2 — two fork/joins
 // per layer instead of two per expert, and the threads stream the experts' weights back to back.
@@ -219,14 +244,25 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     A = 0;
     for (i64 e = 0; e < E; e++)
         if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
-    const i64 G1 = H / w13->gs, G2 = I / w2->gs, I2 = 2 * I;
+    const i64 I2 = 2 * I;
+#if defined(MOEQ_AVX2)  // x as int16 per 32-chunk (rows_avx2.h): one scale per chunk instead of a sum per group
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs, C1 = H / 32, C2 = I / 32;
+    __m128i t13[2], t2[2];
+    if ((w13->values && !cb_tables_i8(w13->values, w13->bits, t13)) || (w2->values && !cb_tables_i8(w2->values, w2->bits, t2))) {
+        free(act);
+        moeq_moe_forward(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out, scratch);
+        return;
+    }
+#else
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs, C1 = G1, C2 = G2;  // x's per-group sums
+#endif
     const int p13 = w13->gs % 64 == 0 || w13->lut, p2 = w2->gs % 64 == 0 || w2->lut;  // codebook: K % 64 == 0
-    uint16_t* xb = (uint16_t*)scratch;                  // [A, 8, H] bf16
-    float* xs = scratch + A * 8 * H / 2;                // [A, 8, G1]
-    float* h = xs + A * 8 * G1;                         // [A, 8, 2I]
-    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);         // [A, 8, I] bf16
-    float* as = h + A * 8 * I2 + A * 8 * I / 2;         // [A, 8, G2]
-    float* y = as + A * 8 * G2;                         // [A, 8, H]
+    uint16_t* xb = (uint16_t*)scratch;                  // [A, 8, H] bf16 (AVX2: int16)
+    float* xs = scratch + A * 8 * H / 2;                // [A, 8, C1] (C <= K/16, as the scratch size allows)
+    float* h = xs + A * 8 * C1;                         // [A, 8, 2I]
+    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);         // [A, 8, I] bf16 (AVX2: int16)
+    float* as = h + A * 8 * I2 + A * 8 * I / 2;         // [A, 8, C2]
+    float* y = as + A * 8 * C2;                         // [A, 8, H]
     const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
     int one = p13 && p2;  // every active expert has one row (a batch-1 decode step)
     for (i64 a = 0; a < A; a++) one &= expert_start[act[a] + 1] - expert_start[act[a]] == 1;
@@ -240,7 +276,11 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     for (i64 a = 0; a < A; a++) {
         const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
         for (i64 r = 0; r < m; r++)
-            x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * G1);
+#if defined(MOEQ_AVX2)
+            x_to_i16_32(x + pair_tok[p0 + r] * H, H, 1, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+#else
+            x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+#endif
     }
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * I2; t++) {
@@ -250,10 +290,12 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
         const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
         const uint16_t* xa = xb + a * 8 * H;
-        const float* xsa = xs + a * 8 * G1;
+        const float* xsa = xs + a * 8 * C1;
 #if defined(__AVX512BF16__)
         if (w13->lut) cb4_row_bf16(xa, m, q, sc, w13->scale_bf16, w13->lut, n, H, w13->gs, w13->bits, o);
         else rtn4_row_bf16(p13, xa, xsa, m, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt);
+#elif defined(MOEQ_AVX2)
+        avx2_rows(w13, (const int16_t*)xa, xsa, m, q, sc, z, t13, n, H, o);
 #endif
         for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
     }
@@ -264,7 +306,11 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             uint16_t* dst = ab + (a * 8 + r) * I;
             float* t = y;  // y is free until the w2 pass: the fp32 activation row
             for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
-            x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * G2);
+#if defined(MOEQ_AVX2)
+            x_to_i16_32(t, I, 1, (int16_t*)dst, as + (a * 8 + r) * C2);
+#else
+            x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
+#endif
         }
     }
 #pragma omp parallel for schedule(static)
@@ -276,7 +322,9 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
 #if defined(__AVX512BF16__)
         if (w2->lut) cb4_row_bf16(ab + a * 8 * I, m, q, sc, w2->scale_bf16, w2->lut, n, I, w2->gs, w2->bits, o);
-        else rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * G2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
+        else rtn4_row_bf16(p2, ab + a * 8 * I, as + a * 8 * C2, m, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt);
+#elif defined(MOEQ_AVX2)
+        avx2_rows(w2, (const int16_t*)(ab + a * 8 * I), as + a * 8 * C2, m, q, sc, z, t2, n, I, o);
 #endif
         for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
     }
@@ -321,7 +369,7 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (moeq_has_dpbf16() && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && (w13->bits == 4 || w13->lut) &&
+        if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && (w13->bits == 4 || w13->lut) &&
             (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
             moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
         else

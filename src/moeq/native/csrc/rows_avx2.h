@@ -196,26 +196,28 @@ static inline __m256i madd32(__m256i w0, __m256i w1, const int16_t* xq) {
                             _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 16))));
 }
 
-// One output row of a 4/5-bit codebook grid (int8 table values, see cb_row_avx2) or of 4/8-bit RTN (codes minus the
-// zero point, default 2^(bits-1)), x from x_to_i16_32 (split for 4/5-bit). gs % 32 == 0. Exact integer dot products
-// per 32-chunk, then fp32.
-static inline __attribute__((always_inline)) float row_i16(
-    const int16_t* xq, const float* sx, const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero,
-    const __m128i* t, i64 n, i64 K, i64 gs, const int bits, const int codebook) {
+// One output row for M (1..4) rows of x of a 4/5-bit codebook grid (int8 table values, see cb_row_avx2) or of 4/8-bit
+// RTN (codes minus the zero point, default 2^(bits-1)), x from x_to_i16_32 (split for 4/5-bit; row m at xq + m*K,
+// sx + m*K/32). gs % 32 == 0. The weights are decoded once per chunk for all M rows; exact integer dot products per
+// 32-chunk, then fp32.
+static inline __attribute__((always_inline)) void row_i16(
+    const int16_t* xq, const float* sx, const i64 M, const uint8_t* q, const void* scale, int scale_bf16,
+    const uint8_t* zero, const __m128i* t, i64 n, i64 K, i64 gs, const int bits, const int codebook, float* out) {
     const i64 G = K / gs;
     const uint8_t* qn = q + n * (bits == 8 ? K : bits == 5 ? K / 8 * 5 : K / 2);
     const uint8_t* hb = qn + K / 2;
     const __m128i m4 = _mm_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (i64 g = 0; g < G; g++) {
         const __m256i zv = _mm256_set1_epi16((short)(zero ? zero[n * G + g] : 1 << (bits - 1)));
-        __m256 v = _mm256_setzero_ps();
+        __m256 v[4];
+        for (i64 m = 0; m < M; m++) v[m] = _mm256_setzero_ps();
         for (i64 c = g * gs; c < (g + 1) * gs; c += 32) {
-            __m256i p;
+            __m256i w0, w1;
             if (bits == 8) {
-                const __m128i b0 = _mm_loadu_si128((const __m128i*)(qn + c)), b1 = _mm_loadu_si128((const __m128i*)(qn + c + 16));
-                p = madd32(_mm256_sub_epi16(_mm256_cvtepu8_epi16(b0), zv), _mm256_sub_epi16(_mm256_cvtepu8_epi16(b1), zv),
-                           xq + c);
+                w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qn + c))), zv);
+                w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qn + c + 16))), zv);
             } else {
                 const __m128i b = _mm_loadu_si128((const __m128i*)(qn + c / 2));
                 const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
@@ -232,17 +234,21 @@ static inline __attribute__((always_inline)) float row_i16(
                         ve = _mm_shuffle_epi8(t[0], lo);
                         vo = _mm_shuffle_epi8(t[0], hi);
                     }
-                    p = madd32(_mm256_cvtepi8_epi16(ve), _mm256_cvtepi8_epi16(vo), xq + c);
+                    w0 = _mm256_cvtepi8_epi16(ve);
+                    w1 = _mm256_cvtepi8_epi16(vo);
                 } else {
-                    p = madd32(_mm256_sub_epi16(_mm256_cvtepu8_epi16(lo), zv), _mm256_sub_epi16(_mm256_cvtepu8_epi16(hi), zv),
-                               xq + c);
+                    w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(lo), zv);
+                    w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(hi), zv);
                 }
             }
-            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sx[c / 32]), v);
+            for (i64 m = 0; m < M; m++)
+                v[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd32(w0, w1, xq + m * K + c)),
+                                       _mm256_set1_ps(sx[m * (K / 32) + c / 32]), v[m]);
         }
-        acc = _mm256_fmadd_ps(v, _mm256_set1_ps(load_scale(scale, scale_bf16, n * G + g)), acc);
+        const __m256 sv = _mm256_set1_ps(load_scale(scale, scale_bf16, n * G + g));
+        for (i64 m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(v[m], sv, acc[m]);
     }
-    return hsum8(acc);
+    for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
 }
 
 // ---- NF4/FP4 (value = absmax * code[nibble], even element in the HIGH nibble) ----
