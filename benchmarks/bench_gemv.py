@@ -1,0 +1,59 @@
+"""One-row decode linears per format, in the ISA the native library is built for (run it twice, the second time with
+MOEQ_NATIVE_MARCH=x86-64-v3 and its own XDG_CACHE_HOME, for the AVX2 build): Gweights/s of a QuantLinear at one bf16
+row on 4096x2048 and 1536x2048 weights (best of 100 calls, cache-warm: a compute bound, not a bandwidth one), and
+the bf16 head's gemv against torch's. Appends one record per run to benchmarks/results/gemv_isa.json."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from moeq import native  # noqa: E402
+from moeq.config import BNB4, RTN  # noqa: E402
+from moeq.nn import decode  # noqa: E402
+from moeq.nn.linear import QuantLinear  # noqa: E402
+
+FORMATS = {"q4_0": RTN(4, 32, grid="signed"), "rtn-int4 g128": RTN(4, 128), "iq4nl": RTN(4, 32, grid="iq4nl"),
+           "q5_0": RTN(5, 32, grid="signed"), "q8_0": RTN(8, 32, grid="signed"), "nf4": BNB4("nf4", 64, True)}
+
+
+def best(f, n: int = 100) -> float:
+    for _ in range(3):
+        f()
+    t = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    level = {2: "avx512-bf16", 1: "avx2", 0: "plain C"}[native.lib().moeq_simd_level()]
+    rec = {"isa": level, "march": native.march(), "gweights_per_s": {}}
+    for name, cfg in FORMATS.items():
+        for n, k in [(4096, 2048), (1536, 2048)]:
+            mod = QuantLinear(cfg.quantize(torch.randn(n, k).bfloat16()))
+            x = torch.randn(1, 1, k).bfloat16()
+            rec["gweights_per_s"][f"{name} {n}x{k}"] = n * k / best(lambda: mod(x)) / 1e9
+    w = torch.randn(151936 // 4, 2048).bfloat16()
+    x = torch.randn(1, 2048).bfloat16()
+    native_head = decode.bf16_linear(x, w) is not None  # None: no SIMD build, heads stay on torch
+    rec["bf16_head_gbps"] = w.numel() * 2 / best(lambda: decode.bf16_linear(x, w), 20) / 1e9 if native_head else None
+    rec["torch_bf16_head_gbps"] = w.numel() * 2 / best(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
+    out = ROOT / "benchmarks" / "results" / "gemv_isa.json"
+    runs = json.loads(out.read_text())["runs"] if out.exists() else []
+    runs.append(rec)
+    out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    print(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    main()
