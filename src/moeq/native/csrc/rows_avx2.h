@@ -81,6 +81,25 @@ static inline uint32_t pext32(uint32_t h, uint32_t m) {
 #endif
 }
 
+// The int8 values of 32 weights from 16 packed bytes: ve the 16 even elements (low nibbles), vo the 16 odd ones;
+// 5-bit: the fifth bits (4 plane bytes, LSB first) choose the second table.
+static inline __attribute__((always_inline)) void cb_values32(const uint8_t* p, const uint8_t* h5, const __m128i* t,
+                                                              const int five, __m128i* ve, __m128i* vo) {
+    const __m128i m4 = _mm_set1_epi8(15), b = _mm_loadu_si128((const __m128i*)p);
+    const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    if (five) {
+        uint32_t h;
+        memcpy(&h, h5, 4);
+        *ve = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], lo), _mm_shuffle_epi8(t[1], lo),
+                              bits_to_bytes16(pext32(h, 0x55555555u)));
+        *vo = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], hi), _mm_shuffle_epi8(t[1], hi),
+                              bits_to_bytes16(pext32(h, 0xAAAAAAAAu)));
+    } else {
+        *ve = _mm_shuffle_epi8(t[0], lo);
+        *vo = _mm_shuffle_epi8(t[0], hi);
+    }
+}
+
 // 16 int8 values -> the dot product of their fp32 with 16 floats.
 static inline __m256 dot16_i8(__m128i v, const float* x) {
     const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(x));
@@ -96,25 +115,12 @@ static inline __attribute__((always_inline)) float cb_row_avx2(
     const i64 G = K / gs;
     const uint8_t* qn = q + n * (five ? K / 8 * 5 : K / 2);
     const uint8_t* hb = qn + K / 2;
-    const __m128i m4 = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (i64 g = 0; g < G; g++) {
         __m256 v = _mm256_setzero_ps();
         for (i64 c = g * gs; c < (g + 1) * gs; c += 32) {
-            const __m128i b = _mm_loadu_si128((const __m128i*)(qn + c / 2));
-            const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
             __m128i ve, vo;
-            if (five) {
-                uint32_t h;
-                memcpy(&h, hb + c / 8, 4);
-                ve = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], lo), _mm_shuffle_epi8(t[1], lo),
-                                     bits_to_bytes16(pext32(h, 0x55555555u)));
-                vo = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], hi), _mm_shuffle_epi8(t[1], hi),
-                                     bits_to_bytes16(pext32(h, 0xAAAAAAAAu)));
-            } else {
-                ve = _mm_shuffle_epi8(t[0], lo);
-                vo = _mm_shuffle_epi8(t[0], hi);
-            }
+            cb_values32(qn + c / 2, hb + c / 8, t, five, &ve, &vo);
             v = _mm256_add_ps(v, _mm256_add_ps(dot16_i8(ve, xs + c), dot16_i8(vo, xs + c + 16)));
         }
         acc = _mm256_fmadd_ps(v, _mm256_set1_ps(load_scale(scale, scale_bf16, n * G + g)), acc);
@@ -223,17 +229,7 @@ static inline __attribute__((always_inline)) void row_i16(
                 const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
                 if (codebook) {
                     __m128i ve, vo;
-                    if (bits == 5) {
-                        uint32_t h;
-                        memcpy(&h, hb + c / 8, 4);
-                        ve = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], lo), _mm_shuffle_epi8(t[1], lo),
-                                             bits_to_bytes16(pext32(h, 0x55555555u)));
-                        vo = _mm_blendv_epi8(_mm_shuffle_epi8(t[0], hi), _mm_shuffle_epi8(t[1], hi),
-                                             bits_to_bytes16(pext32(h, 0xAAAAAAAAu)));
-                    } else {
-                        ve = _mm_shuffle_epi8(t[0], lo);
-                        vo = _mm_shuffle_epi8(t[0], hi);
-                    }
+                    cb_values32(qn + c / 2, hb + c / 8, t, bits == 5, &ve, &vo);
                     w0 = _mm256_cvtepi8_epi16(ve);
                     w1 = _mm256_cvtepi8_epi16(vo);
                 } else {
