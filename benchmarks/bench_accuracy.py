@@ -90,7 +90,7 @@ def methods() -> dict[str, QuantConfig]:
             IQ4R, rules={"*.k_proj": Q80, "*.v_proj": Q80, **{f"model.layers.{i}.mlp.experts.w2": Q80 for i in MORE}}),
         "iq4nl, attention q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80}),
         "iq4nl, attention + down q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80, "*.experts.w2": Q80}),
-        **{f"moeq {n}": n for n in ("q4_0-opt", "q4_0-m", "iq4nl", "iq4nl-m", "iq4nl-l", "q8_0", "nf4-opt", "q5_0",
+        **{f"moeq {n}": n for n in ("q4_0-opt", "q4_0-m", "iq4nl", "iq4nl-dq", "iq4nl-m", "iq4nl-l", "q8_0", "nf4-opt", "q5_0",
                                     "q5_0-opt", "q5_0-m")},
         "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
     }

@@ -77,6 +77,7 @@ class RTN(FormatConfig):
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
     weighting: Literal["x2", "row", "mse"] = "x2"  # importance of each weight in the signed/iq4nl scale search
+    double_quant: bool = False  # codebook grids: int8 codes of a per-row bf16 scale (8 instead of 16 bits per group)
     name: ClassVar[str] = "rtn"
 
     def __post_init__(self):
@@ -94,10 +95,13 @@ class RTN(FormatConfig):
             raise MoeqError(f"grid {self.grid!r} is a symmetric 4-bit codebook: bits=4, symmetric, no refine/hqq")
         if not 0 <= self.search <= 127:
             raise MoeqError(f"search must be 0..127, got {self.search}")
+        if self.double_quant and self.grid not in rtn.CODEBOOKS:
+            raise MoeqError(f"double_quant is for the codebook grids {list(rtn.CODEBOOKS)}, not grid={self.grid!r}")
 
     def quantize(self, w, name=None, slices=None):
         return rtn.quantize(w, self.bits, self.group_size_for(w.shape[-1]), self.symmetric, self.grid, name=name,
-                            search=self.search, refine=self.refine, hqq=self.hqq, weighting=self.weighting)
+                            search=self.search, refine=self.refine, hqq=self.hqq, weighting=self.weighting,
+                            double_quant=self.double_quant)
 
     def group_size_for(self, k: int) -> int:
         """The group size used on a tensor with last dim ``k``: ``group_size`` when it divides ``k``, else the
@@ -119,7 +123,7 @@ class RTN(FormatConfig):
                + (f"-h{self.hqq}" if self.hqq else ""))
         if self.search and self.symmetric and self.grid != "vllm" and self.weighting != "x2":
             opt += f"-w{self.weighting}"
-        return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}{opt}"
+        return f"rtn-int{self.bits}{'-' + kind if kind else ''}-g{self.group_size}{opt}{'-dq' if self.double_quant else ''}"
 
 
 @register
@@ -194,6 +198,8 @@ METHODS: dict[str, FormatConfig] = {
     # llama.cpp's IQ4_NL values and search (7 steps each way, here over both signs) with row-aware weights (lower
     # KL than x^2, measured; 5 steps: KL +6%); GGUF export lossless (IQ4_NL)
     "iq4nl": RTN(4, 32, grid="iq4nl", search=7, weighting="row"),
+    # the same with int8 codes of a per-row bf16 scale: 4.25 + 16/K bits per weight (GGUF: IQ4_NL, scales to fp16)
+    "iq4nl-dq": RTN(4, 32, grid="iq4nl", search=7, weighting="row", double_quant=True),
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),

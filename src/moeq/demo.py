@@ -12,7 +12,9 @@ DEMO_FORMATS: tuple[FormatConfig, ...] = (
     RTN(8, 128), RTN(4, 128), RTN(4, 128, grid="signed"), RTN(4, 128, symmetric=False), RTN(4, 64, symmetric=False),
     RTN(3, 64, symmetric=False), RTN(2, 32, symmetric=False),
     RTN(4, 32, grid="signed"), RTN(4, 32, grid="signed", search=7, weighting="row"),
-    RTN(4, 32, grid="iq4nl", search=7, weighting="row"), RTN(5, 32, grid="signed", search=7, weighting="row"),
+    RTN(4, 32, grid="iq4nl", search=7, weighting="row"),
+    RTN(4, 32, grid="iq4nl", search=7, weighting="row", double_quant=True),
+    RTN(5, 32, grid="signed", search=7, weighting="row"),
     BNB4("nf4", 64, False), BNB4("nf4", 64, True), BNB4("fp4", 64, True), Int8(),
 )
 

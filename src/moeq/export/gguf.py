@@ -5,7 +5,8 @@ package tensor by tensor (the model is never copied whole).
 Lossless where the formats agree: llama.cpp's ``Q4_0``/``Q8_0`` blocks are symmetric RTN over 32 inputs with an fp16
 scale, ``value = d * (q - 8)`` / ``value = d * q`` — exactly a moeq symmetric 4/8-bit RTN weight with group 32 (the
 ``q4_0``/``q8_0`` methods, or any ``vllm``/``signed`` grid), as long as its scales are fp16-representable (bf16 scales
-of normal weights are). Everything else quantized (other groups, asymmetric or 2/3-bit RTN, NF4/FP4, LLM.int8) is
+of normal weights are); ``iq4nl`` is ``IQ4_NL`` the same way, and ``iq4nl-dq`` (int8 codes of a row scale) keeps its
+codes with each group's scale rounded to fp16 (relative 2^-11). Everything else quantized (other groups, asymmetric or 2/3-bit RTN, NF4/FP4, LLM.int8) is
 re-quantized from moeq's dequantized values with llama.cpp's own rounding (``gguf.quants``) — to ``Q4_0`` when it
 had <= 4 bits, else ``Q8_0`` — and the summary lists every such tensor.
 """
@@ -98,6 +99,8 @@ def ggml_type(w: PackedWeight) -> str | None:
         return None
     if w.grid not in ("vllm", "signed", "iq4nl"):
         return None
+    if w.scale_super is not None:  # double-quantized: the codes as they are, code x row factor rounded to fp16
+        return "IQ4_NL" if torch.isfinite(w.group_scales().to(torch.float16)).all() else None
     d = w.scale.to(torch.float16)
     if not (torch.isfinite(d).all() and torch.equal(d.to(w.scale.dtype), w.scale)):
         return None  # a scale fp16 cannot hold exactly (tiny/huge, or fp32 scales)
@@ -107,7 +110,7 @@ def ggml_type(w: PackedWeight) -> str | None:
 def ggml_blocks(w: RTNWeight) -> torch.Tensor:
     """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts
     (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do)."""
-    d = w.scale.to(torch.float16)
+    d = w.group_scales().to(torch.float16)  # exact for bf16 scales ggml_type accepts; double-quantized: rounded
     blocks = w.codes().unflatten(-1, (-1, 32))  # uint8 codes [..., N, K/32, 32], zero point 2**(bits-1)
     if w.bits == 5:  # Q5_0: qh (bit j = element j's fifth bit, little-endian uint32), then Q4_0's nibble layout
         low, hi = blocks & 15, (blocks >> 4).unflatten(-1, (4, 8))
@@ -137,7 +140,8 @@ def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str
         def make():
             arrs = [ggml_blocks(w) for w in ws]
             return (torch.stack(arrs) if len(arrs) > 1 else arrs[0]).numpy()
-        return make, exact.pop(), "exact"
+        dq = any(getattr(w, "scale_super", None) is not None for w in ws)
+        return make, exact.pop(), "exact codes, double-quantized scales rounded to fp16 (2^-11)" if dq else "exact"
     qtype = "Q4_0" if max(_bits(w) for w in ws) <= 4 else "Q8_0"
     w0 = ws[0]
     src = f"{type(w0).__name__}({getattr(w0, 'bits', '')}{getattr(w0, 'quant_type', '')})"

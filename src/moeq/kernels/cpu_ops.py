@@ -56,16 +56,20 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
              max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
     L = native.lib()
-    if m is None or L is None or w.bits not in (4, 5, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32):
+    if m is None or L is None or w.bits not in (4, 5, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32,
+                                                                                  torch.int8):
         return None
-    if not native.usable(w.qdata, w.scale, w.zero):
+    if not native.usable(w.qdata, w.scale, w.zero, w.scale_super):
         return None
     n, k = w.shape
     gs = k if w.group_size == -1 else w.group_size
-    native.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)))
+    native.fits((w.qdata, n * k * w.bits // 8), (w.scale, n * (k // gs) * w.scale.element_size()), (w.zero, n * (k // gs)),
+                (w.scale_super, n * 2))
     table = codebook_of(w, gs)
     if table is not None:
         return _codebook_gemv(L, table, w, x, m, n, k, gs, bias)
+    if w.scale_super is not None:  # int8 scale codes: only the codebook kernels read them
+        return None
     if w.bits == 5:
         return None
     if x.dtype == torch.bfloat16 and gs % 32 == 0 and native.has_dpbf16():  # AVX512-BF16 dot products
@@ -100,14 +104,14 @@ def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int,
     (gs 32 or a multiple of 64), else the fp32 kernel."""
     values, lut = codebook_tables(table)
     y = torch.empty(m, n, dtype=torch.float32)
-    sb = int(w.scale.dtype == torch.bfloat16)
+    sb, sup = w.scale_kind, native.ptr(w.scale_super)
     if x.dtype == torch.bfloat16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0) and native.has_dpbf16():
         xb = _perm64(x.reshape(m, k).contiguous())
-        if L.moeq_cb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, native.ptr(lut),
-                                native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y)):
+        if L.moeq_cb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, sup,
+                                native.ptr(lut), native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y)):
             return _finish(y, x, n, bias)
     xf = x.reshape(m, k).float().contiguous()
-    L.moeq_cb4_gemv(native.ptr(xf), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, native.ptr(values),
+    L.moeq_cb4_gemv(native.ptr(xf), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, sup, native.ptr(values),
                     native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y))
     return _finish(y, x, n, bias)
 

@@ -37,13 +37,17 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
 def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
     gs = k if w.group_size == -1 else w.group_size
     if (w.bits not in (4, 8) and codebook_of(w, gs) is None) or gs % 32 or w.scale.dtype not in (
-            torch.bfloat16, torch.float32):
+            torch.bfloat16, torch.float32, torch.int8):
         return None
-    if not native.usable(w.qdata, w.scale, w.zero):
+    if (w.scale_super is not None) != (w.scale.dtype == torch.int8) or (
+            w.scale_super is not None and codebook_of(w, gs) is None):  # int8 scale codes: the codebook rows only
+        return None
+    if not native.usable(w.qdata, w.scale, w.zero, w.scale_super):
         return None
     ng = e * n * (k // gs)
-    native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng))
-    keep += [w.qdata, w.scale, w.zero]
+    native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng),
+                (w.scale_super, e * n * 2))
+    keep += [w.qdata, w.scale, w.zero, w.scale_super]
     values = lut = None
     table = codebook_of(w, gs)
     if table is not None:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k
@@ -51,8 +55,8 @@ def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bo
         keep += [values, lut]
         dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0)
     return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
-                  scale_bf16=int(w.scale.dtype == torch.bfloat16), absmax_u8=0, zero=native.ptr(w.zero),
-                  bits=w.bits, gs=gs, spe=1, N=n, K=k, values=native.ptr(values), lut=native.ptr(lut))
+                  scale_bf16=w.scale_kind, absmax_u8=0, zero=native.ptr(w.zero), bits=w.bits, gs=gs, spe=1, N=n, K=k,
+                  values=native.ptr(values), lut=native.ptr(lut), scale_super=native.ptr(w.scale_super))
 
 
 def codebook_of(w: RTNWeight, gs: int) -> str | None:

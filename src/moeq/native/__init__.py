@@ -60,7 +60,7 @@ class WStack(ctypes.Structure):
                 ("zero", ctypes.c_void_p), ("bits", ctypes.c_int), ("gs", ctypes.c_int64), ("code", ctypes.c_void_p),
                 ("offset", ctypes.c_void_p), ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p),
                 ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("values", ctypes.c_void_p),
-                ("lut", ctypes.c_void_p)]
+                ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p)]
 
 
 _P, _I, _INT, _F, _WS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.POINTER(WStack)
@@ -77,7 +77,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bnb4_dequant": (None, [_P, _P, _P, _I, _I, _P, _INT]),
     "moeq_bnb4_resolve_absmax": (None, [_P, _P, _P, _P, _I, _I, _P]),
     "moeq_cb4_search": (None, [_P, _INT, _I, _I, _I, _P, _INT, _INT, _INT, _P, _P, _P]),
-    "moeq_cb4_dequant": (None, [_P, _P, _INT, _P, _INT, _I, _I, _I, _P, _INT]),
+    "moeq_cb4_dequant": (None, [_P, _P, _INT, _P, _P, _INT, _I, _I, _I, _P, _INT]),
+    "moeq_cb4_requant": (None, [_P, _INT, _I, _I, _I, _P, _INT, _P, _P, _P]),
     "moeq_int8_dequant": (None, [_P, _P, _I, _I, _P, _INT]),
     # gemv.c
     "moeq_has_dpbf16": (_INT, []),
@@ -88,8 +89,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bf16_gemv": (_INT, [_P, _I, _P, _I, _I, _P]),
     "moeq_bnb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _P, _I, _I, _I, _P]),
     "moeq_bnb4_gemv": (None, [_P, _P, _I, _P, _P, _P, _I, _I, _I, _P]),
-    "moeq_cb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _INT, _P]),
-    "moeq_cb4_gemv": (None, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _INT, _P]),
+    "moeq_cb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _P, _I, _I, _I, _INT, _P]),
+    "moeq_cb4_gemv": (None, [_P, _I, _P, _P, _INT, _P, _P, _I, _I, _I, _INT, _P]),
     "moeq_int8_gemv": (None, [_P, _I, _P, _P, _I, _I, _P]),
     # moe.c
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),

@@ -545,11 +545,14 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 // bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 32 or a multiple of 64. lut: the values as bf16 (32 words: 16
 // values twice, or 32). Returns 0 (nothing written) without AVX512-BF16.
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
-                       const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y) {
+                       const uint16_t* sup, const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y) {
 #if defined(__AVX512BF16__)
     if (M == 1) {
 #pragma omp parallel for schedule(static)
-        for (i64 n = 0; n < N; n++) cb4_row_bf16(xb, 1, q, scale, scale_bf16, lut, n, K, gs, bits, y + n);
+        for (i64 n = 0; n < N; n++) {
+            cb4_row_bf16(xb, 1, q, scale, scale_bf16, lut, n, K, gs, bits, y + n);
+            y[n] *= row_super(sup, n);
+        }
         return 1;
     }
 #pragma omp parallel for schedule(static)
@@ -558,12 +561,12 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
             const i64 mc = M - m0 < 8 ? M - m0 : 8;
             float out[8];
             cb4_row_bf16(xb + m0 * K, mc, q, scale, scale_bf16, lut, n, K, gs, bits, out);
-            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m];
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = out[m] * row_super(sup, n);
         }
     return 1;
 #else
-    (void)xb; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)lut; (void)N; (void)K; (void)gs; (void)bits;
-    (void)y;
+    (void)xb; (void)M; (void)q; (void)scale; (void)scale_bf16; (void)sup; (void)lut; (void)N; (void)K; (void)gs;
+    (void)bits; (void)y;
     return 0;
 #endif
 }
@@ -583,8 +586,9 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
     float* sx = scratch + m * K / 2;
     for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, bits != 8, xq + r * K, sx + r * K / 32);
     const uint8_t* q = w->q + e * N * (bits == 8 ? K : bits == 5 ? K / 8 * 5 : K / 2);
-    const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
+    const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
 #define ROWS(B, CB)                                                                                           \
     _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)                                  \
         for (i64 r0 = 0; r0 < m; r0 += 4) {                                                                   \
@@ -598,7 +602,7 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
                 case 3: row_i16(xr, sr, 3, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
                 default: row_i16(xr, sr, 4, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;        \
             }                                                                                                 \
-            for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r];                                          \
+            for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);                      \
         }
     if (cb && bits == 5) { ROWS(5, 1) }
     else if (cb) { ROWS(4, 1) }
@@ -613,8 +617,8 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
 }
 
 // The same in fp32 for any CPU: x [M, K] in order, gs % 8 == 0 (AVX2: rows_avx2.h's row for gs % 32 == 0).
-void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
-                   i64 N, i64 K, i64 gs, int bits, float* y) {
+void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup,
+                   const float* values, i64 N, i64 K, i64 gs, int bits, float* y) {
     const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
 #if defined(MOEQ_AVX2)
     __m128i t[2];
@@ -624,8 +628,9 @@ void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, i
 #pragma omp parallel for schedule(static)
         for (i64 n = 0; n < N; n++)
             for (i64 m = 0; m < M; m++)
-                y[m * N + n] = bits == 5 ? cb_row_avx2(xs + m * K, q, scale, scale_bf16, t, n, K, gs, 1)
-                                         : cb_row_avx2(xs + m * K, q, scale, scale_bf16, t, n, K, gs, 0);
+                y[m * N + n] = (bits == 5 ? cb_row_avx2(xs + m * K, q, scale, scale_bf16, t, n, K, gs, 1)
+                                          : cb_row_avx2(xs + m * K, q, scale, scale_bf16, t, n, K, gs, 0)) *
+                               row_super(sup, n);
         free(xs);
         return;
     }
@@ -648,6 +653,6 @@ void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, i
                 }
                 acc += a * load_scale(scale, scale_bf16, n * G + g);
             }
-            y[m * N + n] = acc;
+            y[m * N + n] = acc * row_super(sup, n);
         }
 }

@@ -13,7 +13,7 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
     uint16_t* xb = (uint16_t*)scratch;
     for (i64 r = 0; r < m; r++)
         for (i64 k = 0; k < K; k++) xb[r * K + k] = f2bf(x[r * K + k]);
-    const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     return moeq_rtn8_gemv_bf16(xb, m, w->q + e * (N * K), sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, N, K,
                                w->gs, y);
 }
@@ -24,22 +24,23 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
     if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 4/5-bit codebook grid
         const i64 G = K / w->gs;
-        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
         const uint8_t* q = w->q + e * N * (w->bits == 5 ? K / 8 * 5 : K / 2);
+        const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
         if (w->dot_bf16) {  // the describer sets it only for K % 64 == 0, gs 32 or a multiple of 64
             uint16_t* xb = (uint16_t*)scratch;
             float* xs = scratch + m * K;
             for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 1, xb + r * K, xs + r * G);
-            if (moeq_cb4_gemv_bf16(xb, m, q, sc, w->scale_bf16, w->lut, N, K, w->gs, w->bits, y)) return;
+            if (moeq_cb4_gemv_bf16(xb, m, q, sc, w->scale_bf16, sup, w->lut, N, K, w->gs, w->bits, y)) return;
         }
-        moeq_cb4_gemv(x, m, q, sc, w->scale_bf16, w->values, N, K, w->gs, w->bits, y);
+        moeq_cb4_gemv(x, m, q, sc, w->scale_bf16, sup, w->values, N, K, w->gs, w->bits, y);
     } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->dot_bf16) {
         const i64 G = K / w->gs;
         uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
         float* xs = scratch + m * K;
         const int p64 = w->gs % 64 == 0;
         for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, p64, xb + r * K, xs + r * G);
-        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
         moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
                             w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
     } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 8 && w->dot_bf16 && rtn8_bf16(w, e, x, m, y, scratch)) {
@@ -62,7 +63,7 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
                 }
         }
         const i64 qb = N * K * w->bits / 8;
-        const void* sc = (const char*)w->scale + e * N * G * (w->scale_bf16 ? 2 : 4);
+        const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
         moeq_rtn_gemv(w->bits == 4 ? xe : x, xo, xs, m, w->q + e * qb, sc, w->scale_bf16,
                       w->zero ? w->zero + e * N * G : NULL, w->bits, N, K, w->gs, y);
     } else {
@@ -155,15 +156,16 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
 // groups of 64, x in x_to_bf16's layout at [a, 8, K]), the rows of all experts shared out over the threads.
 static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, const uint16_t* xb, const float* xs, i64 K,
                                 i64 N, float* y) {
-    const i64 G = K / w->gs, sb = w->scale_bf16 ? 2 : 4;
+    const i64 G = K / w->gs, sb = scale_size(w->scale_bf16);
 #pragma omp for schedule(static)
     for (i64 t = 0; t < A * N; t++) {
         const i64 a = t / N, n = t % N, e = act[a];
-        if (w->lut)
+        if (w->lut) {
             cb4_row_bf16(xb + a * 8 * K, 1, w->q + e * N * (w->bits == 5 ? K / 8 * 5 : K / 2),
                          (const char*)w->scale + e * N * G * sb, w->scale_bf16, w->lut, n, K, w->gs, w->bits,
                          y + a * 8 * N + n);
-        else
+            y[a * 8 * N + n] *= row_super(w->scale_super ? w->scale_super + e * N : NULL, n);
+        } else
             y[a * 8 * N + n] = rtn4_row1_p64(xb + a * 8 * K, xs + a * 8 * G, w->q + e * (N * K / 2),
                                              (const char*)w->scale + e * N * G * sb, w->scale_bf16,
                                              w->zero ? w->zero + e * N * G : NULL, n, K, w->gs);
@@ -263,7 +265,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     uint16_t* ab = (uint16_t*)(h + A * 8 * I2);         // [A, 8, I] bf16 (AVX2: int16)
     float* as = h + A * 8 * I2 + A * 8 * I / 2;         // [A, 8, C2]
     float* y = as + A * 8 * C2;                         // [A, 8, H]
-    const i64 sb13 = w13->scale_bf16 ? 2 : 4, sb2 = w2->scale_bf16 ? 2 : 4;
+    const i64 sb13 = scale_size(w13->scale_bf16), sb2 = scale_size(w2->scale_bf16);
     int one = p13 && p2;  // every active expert has one row (a batch-1 decode step)
     for (i64 a = 0; a < A; a++) one &= expert_start[act[a] + 1] - expert_start[act[a]] == 1;
 #if defined(__AVX512BF16__)
@@ -297,7 +299,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
 #elif defined(MOEQ_AVX2)
         avx2_rows(w13, (const int16_t*)xa, xsa, m, q, sc, z, t13, n, H, o);
 #endif
-        for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
+        const float f = row_super(w13->scale_super ? w13->scale_super + e * I2 : NULL, n);
+        for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] * f - zt[r];
     }
     for (i64 a = 0; a < A; a++) {
         const i64 e = act[a], m = expert_start[e + 1] - expert_start[e];
@@ -326,7 +329,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
 #elif defined(MOEQ_AVX2)
         avx2_rows(w2, (const int16_t*)(ab + a * 8 * I), as + a * 8 * C2, m, q, sc, z, t2, n, I, o);
 #endif
-        for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
+        const float f = row_super(w2->scale_super ? w2->scale_super + e * H : NULL, n);
+        for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] * f - zt[r];
     }
     for (i64 a = 0; a < A; a++) {
         const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;

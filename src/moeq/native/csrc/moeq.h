@@ -46,9 +46,16 @@ static inline __m256i f32_to_bf16x16(__m512 v) {  // round to nearest even (fini
 }
 #endif
 
-static inline float load_scale(const void* s, int bf16, i64 i) {
-    return bf16 ? bf2f(((const uint16_t*)s)[i]) : ((const float*)s)[i];
+// Group scales come in three kinds (the int passed as `scale_bf16` throughout): 0 fp32, 1 bf16, 2 int8 codes of a
+// double-quantized scale (codebook grids only) whose row factor `sup` (bf16 per output row) the caller applies to
+// the row's result: scale = code * sup[n].
+static inline float load_scale(const void* s, int kind, i64 i) {
+    return kind == 2 ? (float)((const int8_t*)s)[i] : kind ? bf2f(((const uint16_t*)s)[i]) : ((const float*)s)[i];
 }
+
+static inline i64 scale_size(int kind) { return kind == 2 ? 1 : kind ? 2 : 4; }
+
+static inline float row_super(const uint16_t* sup, i64 n) { return sup ? bf2f(sup[n]) : 1.f; }
 
 
 // Symmetric vLLM grid arithmetic helpers (RTN quantize) and a group of weights as fp32.
@@ -79,7 +86,7 @@ typedef struct {
     int dot_bf16;                // RTN 4/8-bit: round activations to bf16 (AVX512-BF16 dot products)
     const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
     const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
-    int scale_bf16;              // RTN: scale is bf16
+    int scale_bf16;              // RTN: the scale kind (load_scale): 0 fp32, 1 bf16, 2 int8 codes x scale_super
     int absmax_u8;               // bnb4: absmax holds uint8 codes (double quant: nested_* resolve them)
     const uint8_t* zero;         // RTN zero points [E, N, G] or NULL
     int bits;                    // RTN bits (4 or 8)
@@ -92,6 +99,7 @@ typedef struct {
     i64 N, K;                    // one expert's weight shape
     const float* values;         // RTN 4-bit codebook grid: the 16 values (value = scale * values[code]) or NULL
     const uint16_t* lut;         // ... and as bf16 twice (32 words), for the AVX512-BF16 kernels
+    const uint16_t* scale_super; // RTN scale kind 2 (int8 codes): the bf16 row factor [E, N]
 } moeq_wstack;
 
 // ---- exports (quants.c) ----
@@ -113,8 +121,10 @@ void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, cons
                               const float* offset, i64 S, i64 nb, float* out);
 void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, int ntry,
                      int weighting, const float* colw, uint8_t* q, uint16_t* scale);
-void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, int bits, i64 rows,
-                      i64 K, i64 gs, void* out, int out_bf16);
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
+                      int bits, i64 rows, i64 K, i64 gs, void* out, int out_bf16);
+void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
+                      const uint16_t* sup, uint8_t* q);
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
 // ---- exports (gemv.c) ----
 int moeq_has_dpbf16(void);
@@ -131,9 +141,9 @@ int moeq_bnb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* packed, const 
 void moeq_bnb4_gemv(const float* xe, const float* xo, i64 M, const uint8_t* packed, const float* absmax,
                     const float* code, i64 N, i64 K, i64 bs, float* y);
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
-                       const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y);
-void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const float* values,
-                   i64 N, i64 K, i64 gs, int bits, float* y);
+                       const uint16_t* sup, const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y);
+void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup,
+                   const float* values, i64 N, i64 K, i64 gs, int bits, float* y);
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch);  // internal
 // ---- exports (moe.c) ----

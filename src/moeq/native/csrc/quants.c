@@ -852,13 +852,13 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
 
 // scale * values[code] per element (4-bit codes, or 5-bit: the row's fifth-bit plane after its nibbles); out fp32
 // or bf16 (rounded once).
-void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const float* values, int bits, i64 rows,
-                      i64 K, i64 gs, void* out, int out_bf16) {
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
+                      int bits, i64 rows, i64 K, i64 gs, void* out, int out_bf16) {
     const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
 #pragma omp parallel for schedule(static)
     for (i64 r = 0; r < rows; r++)
         for (i64 g = 0; g < G; g++) {
-            const float s = load_scale(scale, scale_bf16, r * G + g);
+            const float s = load_scale(scale, scale_bf16, r * G + g) * row_super(sup, r);  // exact: 8 x 8 bits
             const uint8_t* qq = q + r * rowb + g * gs / 2;
             const uint8_t* hb = q + r * rowb + K / 2 + g * gs / 8;
             const i64 o = r * K + g * gs;
@@ -905,4 +905,58 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                 else ((float*)out)[o + k] = v;
             }
         }
+}
+
+// Codes for given double-quantized scales (scale = sc[r, g] * sup[r], a codebook of nv sorted values): each weight
+// gets the nearest value of w / scale (ties to the lower value; a zero scale gives the code of the value nearest 0).
+// How the scale search's codes are re-rounded after its scales are quantized to int8 codes of a row factor.
+void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
+                      const uint16_t* sup, uint8_t* q) {
+    const i64 G = K / gs, rowb = nv == 32 ? K / 8 * 5 : K / 2;
+    float mid[32] = {0};
+    for (int i = 0; i + 1 < nv; i++) mid[i] = 0.5f * (values[i] + values[i + 1]);
+    mid[nv - 1] = INFINITY;
+#if defined(__AVX512F__)
+    cb4_index ix;  // the search's nearest-index form: 16 weights per step
+    cb4_index_init(&ix, mid, values, nv, -1);
+#endif
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++) {
+        uint8_t* qr = q + r * rowb;
+        memset(qr, 0, (size_t)rowb);
+        const float f = bf2f(sup[r]);
+        float buf[4096];
+        uint8_t code[4096];
+        for (i64 g = 0; g < G; g++) {
+            const float s = (float)sc[r * G + g] * f;
+            const float inv = s != 0.f ? 1.f / s : 0.f;
+            load_group(w, bf16, r * K + g * gs, gs, buf);
+            i64 k0 = 0;
+#if defined(__AVX512F__)
+            for (; k0 + 16 <= gs; k0 += 16) {  // 16 codes -> 8 nibble bytes (+ 2 fifth-bit bytes), written whole
+                const __m512i i = cb4_nearest16(&ix, _mm512_mul_ps(_mm512_loadu_ps(buf + k0), _mm512_set1_ps(inv)));
+                const __m128i c = _mm512_cvtepi32_epi8(i), lo = _mm_and_si128(c, _mm_set1_epi8(15));
+                const __m128i pk = _mm_and_si128(_mm_or_si128(lo, _mm_srli_epi16(lo, 4)), _mm_set1_epi16(0x00FF));
+                const i64 e = g * gs + k0;
+                _mm_storel_epi64((__m128i*)(qr + e / 2), _mm_packus_epi16(pk, pk));
+                if (nv == 32) {
+                    const uint16_t hb = (uint16_t)_mm_movemask_epi8(_mm_slli_epi16(c, 3));  // bit 4 of each code
+                    memcpy(qr + K / 2 + e / 8, &hb, 2);
+                }
+            }
+#endif
+            for (i64 k = k0; k < gs; k++) {  // the rest (gs % 16 == 0 leaves none on AVX512)
+                const float v = buf[k] * inv;
+                int c = 0;  // binary search over the nv - 1 midpoints (nv 16 or 32)
+                for (int step = nv / 2; step >= 1; step /= 2) c += v > mid[c + step - 1] ? step : 0;
+                code[k] = (uint8_t)c;
+            }
+            for (i64 k = k0; k < gs; k++) {
+                const int c = code[k];
+                const i64 e = g * gs + k;
+                qr[e >> 1] |= (uint8_t)((c & 15) << ((e & 1) * 4));
+                if (nv == 32) qr[K / 2 + (e >> 3)] |= (uint8_t)(((c >> 4) & 1) << (e & 7));
+            }
+        }
+    }
 }
