@@ -169,7 +169,20 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
     const __m512i lo4 = _mm512_set1_epi16(15), b4 = _mm512_set1_epi16(16);
     __m512 acc[8];
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    // group 32: the scales of 8 chunks (16 groups) as one fp32 vector, each chunk's pair spread by one permute
+    __m512 s16 = _mm512_setzero_ps();
+    __m512i sidx = _mm512_setzero_si512();
+    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two = _mm512_set1_epi32(2);
     for (i64 c = 0; c < C; c++) {
+        if (gs == 32 && (c & 7) == 0) {
+            const i64 g0 = n * G + 2 * c, left = G - 2 * c;
+            const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            s16 = scale_bf16 == 2 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t*)scale + g0)))
+                  : scale_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t*)scale + g0)), 16))
+                               : _mm512_maskz_loadu_ps(k, (const float*)scale + g0);
+            sidx = pair0;
+        }
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + 32 * c)));
         __m512i ei = w, oi = _mm512_srli_epi16(w, 4);
         if (five) {
@@ -183,8 +196,8 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
         const __m512i odd = _mm512_permutexvar_epi16(oi, lut);
         __m512 sv;
         if (gs == 32) {
-            const float s0 = load_scale(scale, scale_bf16, n * G + 2 * c), s1 = load_scale(scale, scale_bf16, n * G + 2 * c + 1);
-            sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+            sv = _mm512_permutexvar_ps(sidx, s16);
+            sidx = _mm512_add_epi32(sidx, two);
         } else {
             sv = _mm512_set1_ps(load_scale(scale, scale_bf16, n * G + c * 64 / gs));
         }
