@@ -24,11 +24,18 @@ def _own(model):
         m.__dict__.pop("forward", None)
 
 
-@pytest.mark.parametrize("arch,routers", [("qwen3_moe", True), ("mixtral", True), ("olmoe", True),
-                                          ("qwen2_moe", True), ("llama", False)])
-def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers):
+@pytest.mark.parametrize("arch,routers,layers", [("qwen3_moe", True, True), ("mixtral", True, True),
+                                                 ("olmoe", True, False), ("qwen2_moe", True, False),
+                                                 ("llama", False, False)])
+def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers, layers):
+    """Norms, routers, attention and heads get native forwards; whole decoder layers (two native calls per decode
+    step) where every part runs natively and the MoE block is plain: Qwen3-MoE and Mixtral, not OLMoE (q/k norms over
+    the whole projection) nor Qwen2-MoE (shared expert) nor dense Llama; each layer compared in generate below."""
     m = moeq.load(tiny_ckpt(arch), quant="rtn-int4", progress=False)
     names = _installed(m)
+    fused = [n for n in names if type(m.get_submodule(n)).__name__.endswith("DecoderLayer")]
+    assert len(fused) == (m.config.num_hidden_layers if layers else 0)
+    names = [n for n in names if n not in fused]
     norms = [n for n, mod in m.named_modules() if type(mod).__name__.endswith("RMSNorm")]
     assert set(norms) <= set(names) and norms
     assert any("gate" in n or "router" in n for n in names) == routers
@@ -128,7 +135,7 @@ class SigmoidTopKRouter(nn.Module):  # sigmoid scoring: no softmax variant repro
 
 def test_variants_keep_their_own_forward():
     model = nn.Sequential(GemmaStyleRMSNorm(64), SigmoidTopKRouter(), ClippedAttention())
-    assert decode.install(model) == {"rms_norm": 0, "router": 0, "attention": 0, "head": 0}
+    assert decode.install(model) == {"rms_norm": 0, "router": 0, "attention": 0, "head": 0, "layer": 0}
     assert not _installed(model)
 
 

@@ -63,7 +63,18 @@ class WStack(ctypes.Structure):
                 ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p)]
 
 
+class Layer(ctypes.Structure):
+    """``moeq_layer``: one MoE decoder layer described for ``moeq_layer_pre/attn/moe``."""
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p),
+                ("router", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("eps_qk", ctypes.c_float), ("scale", ctypes.c_float), ("H", ctypes.c_int64), ("Hq", ctypes.c_int64),
+                ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64), ("E", ctypes.c_int64), ("topk", ctypes.c_int64),
+                ("renorm", ctypes.c_int), ("cast", ctypes.c_int), ("q", WStack), ("k", WStack), ("v", WStack),
+                ("o", WStack), ("w13", WStack), ("w2", WStack)]
+
+
 _P, _I, _INT, _F, _WS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.POINTER(WStack)
+_LAYER = ctypes.POINTER(Layer)
 # name: (return type, argument types) -- exactly the prototypes in csrc/moeq.h
 ABI: dict[str, tuple[type | None, list]] = {
     # quants.c
@@ -101,6 +112,9 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_rmsnorm_bf16": (None, [_P, _P, _I, _I, _F, _P]),
     "moeq_attn_decode_bf16": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P]),
     "moeq_rope_bf16": (None, [_P, _I, _I, _I, _P, _P]),
+    "moeq_layer_pre": (None, [_LAYER, _P, _I, _P, _P, _P, _P, _P]),
+    "moeq_layer_attn": (_INT, [_LAYER, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P]),
+    "moeq_layer_moe": (_INT, [_LAYER, _P, _P, _I, _P, _P, _P]),
 }
 
 

@@ -61,6 +61,17 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, cty
          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
 
 
+def additive_mask(mask: torch.Tensor | None, b: int, s: int) -> torch.Tensor | None | bool:
+    """A one-query step's attention mask as additive fp32 ``[b, s]`` (None: no mask), or False when it is not one row
+    per sequence over the ``s`` keys (per-head masks and the like keep the torch path)."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or tuple(mask.shape) != (b, 1, 1, s):
+        return False
+    m = mask.reshape(b, s)
+    return (torch.zeros(b, s).masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else m.float()).contiguous()
+
+
 def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor | None:
     """bf16 inputs with no mask or one mask row per sequence: one native call reading the cache in place (the torch ops
@@ -68,13 +79,11 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     b, hq, _, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16
-            or d % 16 or value.shape != key.shape or (mask is not None and mask.shape[1] != 1)
-            or not native.has_simd()):
+            or d % 16 or value.shape != key.shape or not native.has_simd()):
         return None
-    add = None
-    if mask is not None:
-        m = mask.reshape(b, s)
-        add = (torch.zeros(b, s).masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else m.float()).contiguous()
+    add = additive_mask(mask, b, s)
+    if add is False:
+        return None
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16)
     native.func("moeq_attn_decode_bf16", _ARGS)(q.data_ptr(), k.data_ptr(), v.data_ptr(),

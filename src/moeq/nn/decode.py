@@ -13,6 +13,7 @@ with biases, sigmoid or grouped scoring, attention with clipped or partial-rotar
 from __future__ import annotations
 
 import ctypes
+import inspect
 import itertools
 import logging
 import types
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from moeq import native
+from moeq.errors import MoeqError
 from moeq.nn import attention
 
 log = logging.getLogger(__name__)
@@ -79,15 +81,27 @@ class _Router:
 
     @staticmethod
     def forward(mod: nn.Module, hidden_states: torch.Tensor):
-        renorm, cast = mod._moeq_router
         h = hidden_states.reshape(-1, mod.hidden_dim)
         logits = bf16_linear(h, mod.weight)
         if logits is None:
             return type(mod).forward(mod, hidden_states)
-        values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), mod.top_k, dim=-1)
-        if renorm:
-            values /= values.sum(dim=-1, keepdim=True)
-        return logits, values.to(logits.dtype) if cast else values, indices
+        values, indices = _top_k(mod, logits)
+        return logits, values, indices
+
+
+def _top_k(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax top-k router's scores and indices from its logits (``mod._moeq_router = (renorm, cast)``)."""
+    renorm, cast = mod._moeq_router
+    values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), mod.top_k, dim=-1)
+    if renorm:
+        values /= values.sum(dim=-1, keepdim=True)
+    return values.to(logits.dtype) if cast else values, indices
+
+
+def _route(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_top_k` as the native MoE step takes it: fp32 weights (the router's values, exactly) and int64 indices."""
+    values, indices = _top_k(mod, logits)
+    return values.float().contiguous(), indices.contiguous()
 
 
 HEAD_MAX_ROWS = 4  # the gemv re-reads each weight row from L1 per x row: past ~4 rows torch's GEMM wins (measured)
@@ -269,11 +283,150 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
     return True
 
 
+MAX_LAYER_ROWS = 8  # the MoE kernel's rows per expert: B tokens of one step route each expert at most B times
+
+
+def _layer_plan(mod: nn.Module):
+    """The decoder layer described for ``moeq_layer_pre/post`` (``native.Layer``, tensors kept alive), built once and
+    reused while the layer's weights stay the same tensors; None when a part is outside the native forms."""
+    from moeq.kernels import cpu_ops, moe_cpu  # noqa: PLC0415
+
+    attn, mlp = mod.self_attn, mod.mlp
+    projs = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    plans = [cpu_ops._linear_plan(p) if hasattr(p, "qweight") and p.bias is None else None for p in projs]
+    stacks = moe_cpu._plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native" else None
+    if None in plans or stacks is None:
+        return None
+    key = tuple(pl[0].q for pl in plans) + (stacks[0].q, stacks[1].q)
+    slot = native.plan_slot(mod, "_moeq_layer_plan")
+    if slot.value is not None and slot.value[0] == key:
+        return slot.value[1]
+    norm = attn._moeq_qk_norm == "head"
+    router = mlp.gate
+    renorm, cast = router._moeq_router
+    ln1, ln2 = mod.input_layernorm, mod.post_attention_layernorm
+    keep = [ln1.weight, ln2.weight, router.weight, plans, stacks]
+    cfg = native.Layer(
+        ln1=ln1.weight.data_ptr(), ln2=ln2.weight.data_ptr(), router=router.weight.data_ptr(),
+        qn=attn.q_norm.weight.data_ptr() if norm else None, kn=attn.k_norm.weight.data_ptr() if norm else None,
+        eps1=ln1._moeq_eps, eps2=ln2._moeq_eps, eps_qk=attn.q_norm._moeq_eps if norm else 0.0,
+        scale=float(attn.scaling), H=router.weight.shape[1], Hq=projs[0].out_features // attn.head_dim,
+        Hkv=projs[1].out_features // attn.head_dim, D=attn.head_dim, E=router.weight.shape[0], topk=router.top_k,
+        renorm=int(renorm), cast=int(cast), q=plans[0][0], k=plans[1][0], v=plans[2][0], o=plans[3][0],
+        w13=stacks[0], w2=stacks[1])
+    slot.value = (key, (cfg, keep))
+    return slot.value[1]
+
+
+class _Layer:
+    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral style) as three native calls — norms, projections, q/k
+    norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router logits; then, after the
+    router's own top-k in torch (its tie order), the experts and the residual — instead of a dozen module calls and
+    their torch glue. Installed per layer by :func:`_try_layer` where it
+    reproduced the layer's own step; anything else runs the class's own forward. Bound per instance, named
+    ``forward`` as :class:`_Norm`'s."""
+
+    @staticmethod
+    def forward(mod: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+        named = dict(zip(mod._moeq_layer_args, args), **kwargs)  # families order the arguments differently
+        cache = named.pop("cache", None) or named.pop("past_key_values", None)
+        attention_mask, position_embeddings = named.pop("attention_mask", None), named.pop("position_embeddings", None)
+        named.pop("position_ids", None)
+        named.pop("use_cache", None)
+        b, t, h = hidden_states.shape if hidden_states.dim() == 3 else (0, 0, 0)
+        attn = mod.self_attn
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        if (t != 1 or not 0 < b <= MAX_LAYER_ROWS or cache is None or cos is None or mod.training
+                or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
+                or cos.dtype != torch.bfloat16 or cos.shape != (b, 1, attn.head_dim) or named.get("output_attentions")):
+            return type(mod).forward(mod, hidden_states, *args, **kwargs)
+        s = cache.get_seq_length(attn.layer_idx) + 1
+        add = attention.additive_mask(attention_mask, b, s)
+        plan = _layer_plan(mod) if add is not False else None
+        if plan is None:
+            return type(mod).forward(mod, hidden_states, *args, **kwargs)
+        kwargs = named  # what the attention module would pass on to the cache
+        cfg = plan[0]
+        x = hidden_states.contiguous()
+        q = torch.empty(b, cfg.Hq, cfg.D, dtype=torch.bfloat16)
+        k = torch.empty(b, 1, cfg.Hkv, cfg.D, dtype=torch.bfloat16)
+        v = torch.empty(b, 1, cfg.Hkv, cfg.D, dtype=torch.bfloat16)
+        L = native.lib()
+        cs, sn = cos.contiguous(), sin.contiguous()
+        L.moeq_layer_pre(ctypes.byref(cfg), x.data_ptr(), b, cs.data_ptr(), sn.data_ptr(), q.data_ptr(), k.data_ptr(),
+                         v.data_ptr())
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), attn.layer_idx, kwargs=kwargs)
+        keys, values = keys.contiguous(), values.contiguous()
+        if keys.shape != (b, cfg.Hkv, s, cfg.D) or values.shape != keys.shape:
+            raise MoeqError(f"layer {attn.layer_idx}: the cache returned keys {tuple(keys.shape)} for a step at "
+                            f"position {s - 1}; the native layer expected {(b, cfg.Hkv, s, cfg.D)}")
+        r1, n2 = torch.empty(b, 1, h, dtype=torch.bfloat16), torch.empty(b, h, dtype=torch.bfloat16)
+        logits = torch.empty(b, cfg.E, dtype=torch.bfloat16)
+        if L.moeq_layer_attn(ctypes.byref(cfg), x.data_ptr(), b, q.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
+                             None if add is None else add.data_ptr(), r1.data_ptr(), n2.data_ptr(), logits.data_ptr()):
+            raise MoeqError(f"layer {attn.layer_idx}: out of memory in the native decode step")
+        weights, idx = _route(mod.mlp.gate, logits)  # the router's own top-k (torch's tie order)
+        out = torch.empty(b, 1, h, dtype=torch.bfloat16)
+        if L.moeq_layer_moe(ctypes.byref(cfg), r1.data_ptr(), n2.data_ptr(), b, idx.data_ptr(), weights.data_ptr(),
+                            out.data_ptr()):
+            raise MoeqError(f"layer {attn.layer_idx}: the native MoE step declined its routing (cannot happen for "
+                            f"{b} <= {MAX_LAYER_ROWS} tokens)")
+        return out
+
+
+def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
+    """Install :class:`_Layer` on a decoder layer whose parts already run natively (norms, attention, router, experts,
+    quantized bias-free projections) where it reproduces the layer's own decode step on a probe: three tokens of
+    prefill, then one step at position 3, each against its own cache."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    attn, mlp = getattr(mod, "self_attn", None), getattr(mod, "mlp", None)
+    ln1, ln2 = getattr(mod, "input_layernorm", None), getattr(mod, "post_attention_layernorm", None)
+    if (rotary is None or not type(mod).__name__.endswith("DecoderLayer") or attn is None or mlp is None
+            or "forward" not in getattr(attn, "__dict__", {}) or getattr(attn, "_moeq_qk_norm", None) not in ("none", "head")
+            or any(not hasattr(n, "_moeq_eps") for n in (ln1, ln2) if n is not None) or ln1 is None or ln2 is None
+            or not hasattr(getattr(mlp, "gate", None), "_moeq_router") or not hasattr(mlp, "experts")
+            or set(dict(mlp.named_children())) != {"gate", "experts"}):
+        return False
+    if attn._moeq_qk_norm == "head" and not all(hasattr(n, "_moeq_eps") for n in (attn.q_norm, attn.k_norm)):
+        return False
+    router = mlp.gate.weight
+    if router.shape[1] % 32 or _layer_plan(mod) is None:
+        return False
+    params = list(inspect.signature(type(mod).forward).parameters)[2:]  # after self, hidden_states
+    mod._moeq_layer_args = tuple(p for p in params if p not in ("args", "kwargs"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, router.shape[1], generator=g).bfloat16()
+    pos = torch.arange(4)[None].expand(2, 4)
+    config = getattr(attn, "config", None)
+    try:  # a probe: a layer this forward cannot run keeps its own
+        with torch.no_grad():
+            cos, sin = rotary(x, pos)
+            caches = [DynamicCache(config=config) for _ in range(2)]
+
+            def step(fwd, i, c):
+                return fwd(mod, x[:, i], attention_mask=None, position_ids=pos[:, i], cache=c, use_cache=True,
+                           position_embeddings=(cos[:, i], sin[:, i]))
+            for c in caches:
+                step(type(mod).forward, slice(0, 3), c)
+            ref = step(type(mod).forward, slice(3, 4), caches[0])
+            got = step(_Layer.forward, slice(3, 4), caches[1])
+    except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, MoeqError) as e:
+        log.debug("%s keeps its own forward: %s", type(mod).__name__, e)
+        got = ref = None
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    if not isinstance(ref, torch.Tensor) or not _close(got, ref):
+        del mod._moeq_layer_args
+        return False
+    mod.forward = types.MethodType(_Layer.forward, mod)
+    return True
+
+
 def install(model: nn.Module) -> dict[str, int]:
     """Give the model's bf16 RMSNorms, softmax top-k routers, Llama-style attention modules and bf16 output head their
     native decode forwards where each reproduces the module's own output; returns how many of each got one. A no-op without
     SIMD native kernels (AVX512-BF16, or AVX2 + FMA)."""
-    done = {"rms_norm": 0, "router": 0, "attention": 0, "head": 0}
+    done = {"rms_norm": 0, "router": 0, "attention": 0, "head": 0, "layer": 0}
     if not native.has_simd():
         return done
     done["head"] = int(_try_head(model))
@@ -288,6 +441,9 @@ def install(model: nn.Module) -> dict[str, int]:
             done["router"] += 1
         elif _try_attention(mod, model, rotary):
             done["attention"] += 1
+    for _, mod in model.named_modules():  # whole decoder layers, once their parts run natively
+        if "forward" not in mod.__dict__ and type(mod).__name__.endswith("DecoderLayer"):
+            done["layer"] += _try_layer(mod, rotary)
     log.debug("native decode forwards: %s", done)
     return done
 

@@ -78,3 +78,82 @@ void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const
         }
 }
 
+
+// ---------------------------------------------------------------- one decoder layer ------------------------------
+// A Llama-style MoE decoder layer's decode step (Qwen3-MoE, Mixtral: RMSNorms, q/k/v/o quantized linears, optional
+// per-head q/k RMSNorms, RoPE, softmax top-k router, SiLU-GLU experts) in two native calls around the caller's cache
+// update, composing the kernels above and in moe.c with the rounding of transformers' bf16 forward at every step
+// (each module output rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
+
+static void qlinear(const moeq_wstack* w, const uint16_t* x, i64 B, uint16_t* y) {
+    const i64 K = w->K, N = w->N;
+    const i64 n = B * (K + N + 2 * K + K / 16 + 1) + N * K / 32 + 64;  // moeq_quant_linear_bf16's scratch
+    float* s = (float*)malloc((size_t)n * sizeof(float));
+    if (!s) return;
+    moeq_quant_linear_bf16(w, x, B, NULL, y, s);
+    free(s);
+}
+
+// q [B, Hq, D], k/v [B, Hkv, D] (bf16) for the caller's cache, from hidden x [B, H].
+void moeq_layer_pre(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* cos, const uint16_t* sin,
+                    uint16_t* q, uint16_t* k, uint16_t* v) {
+    const i64 H = L->H, D = L->D;
+    uint16_t* h = (uint16_t*)malloc((size_t)(B * H) * sizeof(uint16_t));
+    if (!h) return;
+    moeq_rmsnorm_bf16(x, L->ln1, B, H, L->eps1, h);
+    qlinear(&L->q, h, B, q);
+    qlinear(&L->k, h, B, k);
+    qlinear(&L->v, h, B, v);
+    if (L->qn) moeq_rmsnorm_bf16(q, L->qn, B * L->Hq, D, L->eps_qk, q);  // per head, in place (row by row)
+    if (L->kn) moeq_rmsnorm_bf16(k, L->kn, B * L->Hkv, D, L->eps_qk, k);
+    moeq_rope_bf16(q, B, L->Hq, D, cos, sin);
+    moeq_rope_bf16(k, B, L->Hkv, D, cos, sin);
+    free(h);
+}
+
+static void add_bf16(const uint16_t* a, const uint16_t* b, i64 n, uint16_t* y) {
+    for (i64 i = 0; i < n; i++) y[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+}
+
+// After the cache update: attention over the cache's keys/values [B, Hkv, S, D] (this step's included; mask additive
+// fp32 [B, S] or NULL), o projection and residual: r1 [B, H] = x + o; n2 = the post-attention norm of r1; logits
+// [B, E] = the router's (bf16). The caller takes the top-k of their softmax as the router module does (torch's own
+// tie order), then moeq_layer_moe. Returns 1 (nothing written) when a buffer cannot be had or H % 32 != 0.
+int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
+                    const uint16_t* vals, i64 S, const float* mask, uint16_t* r1, uint16_t* n2, uint16_t* logits) {
+    const i64 H = L->H, D = L->D;
+    uint16_t* ao = (uint16_t*)malloc((size_t)(B * L->Hq * D + B * H) * sizeof(uint16_t));
+    if (!ao) return 1;
+    uint16_t* o = ao + B * L->Hq * D;
+    moeq_attn_decode_bf16(q, keys, vals, mask, B, L->Hq, L->Hkv, S, D, L->scale, ao);
+    qlinear(&L->o, ao, B, o);
+    add_bf16(x, o, B * H, r1);
+    moeq_rmsnorm_bf16(r1, L->ln2, B, H, L->eps2, n2);
+    const int ok = moeq_bf16_gemv(n2, B, L->router, L->E, H, logits);
+    free(ao);
+    return !ok;
+}
+
+// The experts for the routing idx/wt [B, A] (weights as the router returns them, in fp32) and the second residual:
+// out [B, H] = r1 + bf16(experts(n2)). Returns 1 (out untouched) when the MoE kernel declines (an expert index out of
+// range, more than 8 rows on one expert) or a buffer cannot be had.
+int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, i64 B, const i64* idx,
+                   const float* wt, uint16_t* out) {
+    const i64 H = L->H, E = L->E, A = L->topk, I = L->w2.K;
+    const i64 P = B * A, act = P < E ? P : E, hd = H > I ? H : I, nd = 2 * I > H ? 2 * I : H;
+    const i64 moe_scratch = act * 8 * (H / 2 + H / 16 + 2 * I + I / 2 + I / 16 + H) + 8 * H * 2 + 8 * 3 * I +
+                            2 * 8 * hd + 8 * (hd / 16 + 1) + nd * hd / 32 + 128;
+    float* f = (float*)malloc((size_t)(2 * B * H + moe_scratch) * sizeof(float));
+    if (!f) return 1;
+    float* xf = f;
+    float* mo = xf + B * H;
+    for (i64 i = 0; i < B * H; i++) {
+        xf[i] = bf2f(n2[i]);
+        mo[i] = 0.f;
+    }
+    const int declined = moeq_moe_routed(&L->w13, &L->w2, xf, H, I, idx, wt, B, A, E, mo, mo + B * H);
+    if (!declined)
+        for (i64 i = 0; i < B * H; i++) out[i] = f2bf(bf2f(r1[i]) + bf2f(f2bf(mo[i])));
+    free(f);
+    return declined;
+}

@@ -157,9 +157,28 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
                                 float* scratch);
 int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
+// One MoE decoder layer for moeq_layer_pre/attn/moe (decode.c), mirrored by moeq.native.Layer.
+typedef struct {
+    const uint16_t* ln1;            // input RMSNorm weight [H] (bf16)
+    const uint16_t* ln2;            // post-attention RMSNorm weight [H]
+    const uint16_t* qn;             // per-head q/k RMSNorm weights [D], or NULL
+    const uint16_t* kn;
+    const uint16_t* router;         // softmax top-k router weight [E, H] (bf16, no bias)
+    float eps1, eps2, eps_qk, scale;
+    i64 H, Hq, Hkv, D, E, topk;
+    int renorm, cast;               // top-k weights divided by their sum; rounded to bf16
+    moeq_wstack q, k, v, o, w13, w2;
+} moeq_layer;
+
 // ---- exports (decode.c) ----
 void moeq_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, i64 rows, i64 n, float eps, uint16_t* y);
 void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* mask, i64 B, i64 Hq,
                            i64 Hkv, i64 S, i64 D, float scale, uint16_t* out);
 void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const uint16_t* sin);
+void moeq_layer_pre(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* cos, const uint16_t* sin,
+                    uint16_t* q, uint16_t* k, uint16_t* v);
+int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
+                    const uint16_t* vals, i64 S, const float* mask, uint16_t* r1, uint16_t* n2, uint16_t* logits);
+int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, i64 B, const i64* idx,
+                   const float* wt, uint16_t* out);
 #endif
