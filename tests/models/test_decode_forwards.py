@@ -142,3 +142,16 @@ def test_variants_keep_their_own_forward():
 def test_fp32_modules_left_alone(tiny_ckpt):
     m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int8", dtype=torch.float32, progress=False)
     assert not _installed(m)
+
+
+def test_fused_layers_leave_other_caches_to_the_layers_own_forward(tiny_ckpt):
+    """A static cache (its update returns the whole preallocated length) runs the layers' own forward: the same
+    tokens as without the native forwards, no error."""
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
+    assert any(type(mod).__name__.endswith("DecoderLayer") for n, mod in m.named_modules() if "forward" in mod.__dict__)
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    static = m.generate(ids, cache_implementation="static", **kw)
+    dynamic = m.generate(ids, **kw)
+    _own(m)
+    assert torch.equal(static, m.generate(ids, **kw)) and torch.equal(dynamic, static)

@@ -340,6 +340,10 @@ class _Layer:
                 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu"
                 or cos.dtype != torch.bfloat16 or cos.shape != (b, 1, attn.head_dim) or named.get("output_attentions")):
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
+        layers = getattr(cache, "layers", None)
+        if not (isinstance(layers, list) and attn.layer_idx < len(layers) and type(layers[attn.layer_idx]) is _full_layer()):
+            # a static, sliding-window or quantized cache: its update returns other shapes; the layer's own forward
+            return type(mod).forward(mod, hidden_states, *args, **kwargs)
         s = cache.get_seq_length(attn.layer_idx) + 1
         add = attention.additive_mask(attention_mask, b, s)
         plan = _layer_plan(mod) if add is not False else None
@@ -372,6 +376,12 @@ class _Layer:
             raise MoeqError(f"layer {attn.layer_idx}: the native MoE step declined its routing (cannot happen for "
                             f"{b} <= {MAX_LAYER_ROWS} tokens)")
         return out
+
+
+def _full_layer() -> type:
+    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+    return DynamicLayer
 
 
 def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:

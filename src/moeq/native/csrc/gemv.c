@@ -354,13 +354,28 @@ int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, ui
     return 1;
 #elif defined(MOEQ_AVX2)
     if (K % 32) return 0;
-    float* xs = (float*)malloc((size_t)(M * K) * sizeof(float));
-    if (!xs) return 0;
-    for (i64 m = 0; m < M; m++) x_split16_bf16(x + m * K, K, xs + m * K);
+    if (M == 1) {
+        float* xs = (float*)malloc((size_t)K * sizeof(float));
+        if (!xs) return 0;
+        x_split16_bf16(x, K, xs);
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+        for (i64 n = 0; n < N; n++) y[n] = f2bf(bf16_row_avx2(w + n * K, xs, K));
+        free(xs);
+        return 1;
+    }
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (i64 n = 0; n < N; n++)
-        for (i64 m = 0; m < M; m++) y[m * N + n] = f2bf(bf16_row_avx2(w + n * K, xs + m * K, K));
-    free(xs);
+        for (i64 m0 = 0; m0 < M; m0 += 4) {
+            const i64 mc = M - m0 < 4 ? M - m0 : 4;
+            float o[4];
+            switch (mc) {
+                case 1: bf16_rows_avx2(w + n * K, x + m0 * K, 1, K, o); break;
+                case 2: bf16_rows_avx2(w + n * K, x + m0 * K, 2, K, o); break;
+                case 3: bf16_rows_avx2(w + n * K, x + m0 * K, 3, K, o); break;
+                default: bf16_rows_avx2(w + n * K, x + m0 * K, 4, K, o); break;
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = f2bf(o[m]);
+        }
     return 1;
 #else
     (void)x; (void)M; (void)w; (void)N; (void)K; (void)y;
