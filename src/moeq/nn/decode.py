@@ -301,7 +301,7 @@ def _layer_plan(mod: nn.Module):
     slot = native.plan_slot(mod, "_moeq_layer_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
-    norm = attn._moeq_qk_norm == "head"
+    norm = attn._moeq_qk_norm in ("head", "full")
     router = mlp.gate
     renorm, cast = router._moeq_router
     ln1, ln2 = mod.input_layernorm, mod.post_attention_layernorm
@@ -312,14 +312,14 @@ def _layer_plan(mod: nn.Module):
         eps1=ln1._moeq_eps, eps2=ln2._moeq_eps, eps_qk=attn.q_norm._moeq_eps if norm else 0.0,
         scale=float(attn.scaling), H=router.weight.shape[1], Hq=projs[0].out_features // attn.head_dim,
         Hkv=projs[1].out_features // attn.head_dim, D=attn.head_dim, E=router.weight.shape[0], topk=router.top_k,
-        renorm=int(renorm), cast=int(cast), q=plans[0][0], k=plans[1][0], v=plans[2][0], o=plans[3][0],
+        renorm=int(renorm), cast=int(cast), qk_full=int(attn._moeq_qk_norm == "full"), q=plans[0][0], k=plans[1][0], v=plans[2][0], o=plans[3][0],
         w13=stacks[0], w2=stacks[1])
     slot.value = (key, (cfg, keep))
     return slot.value[1]
 
 
 class _Layer:
-    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral style) as three native calls — norms, projections, q/k
+    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE style) as three native calls — norms, projections, q/k
     norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router logits; then, after the
     router's own top-k in torch (its tie order), the experts and the residual — instead of a dozen module calls and
     their torch glue. Installed per layer by :func:`_try_layer` where it
@@ -393,12 +393,13 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
     attn, mlp = getattr(mod, "self_attn", None), getattr(mod, "mlp", None)
     ln1, ln2 = getattr(mod, "input_layernorm", None), getattr(mod, "post_attention_layernorm", None)
     if (rotary is None or not type(mod).__name__.endswith("DecoderLayer") or attn is None or mlp is None
-            or "forward" not in getattr(attn, "__dict__", {}) or getattr(attn, "_moeq_qk_norm", None) not in ("none", "head")
+            or "forward" not in getattr(attn, "__dict__", {}) or getattr(attn, "_moeq_qk_norm", None) is None
             or any(not hasattr(n, "_moeq_eps") for n in (ln1, ln2) if n is not None) or ln1 is None or ln2 is None
             or not hasattr(getattr(mlp, "gate", None), "_moeq_router") or not hasattr(mlp, "experts")
             or set(dict(mlp.named_children())) != {"gate", "experts"}):
         return False
-    if attn._moeq_qk_norm == "head" and not all(hasattr(n, "_moeq_eps") for n in (attn.q_norm, attn.k_norm)):
+    if attn._moeq_qk_norm != "none" and not (all(hasattr(n, "_moeq_eps") for n in (attn.q_norm, attn.k_norm))
+                                            and attn.q_norm._moeq_eps == attn.k_norm._moeq_eps):
         return False
     router = mlp.gate.weight
     if router.shape[1] % 32 or _layer_plan(mod) is None:

@@ -80,8 +80,8 @@ void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const
 
 
 // ---------------------------------------------------------------- one decoder layer ------------------------------
-// A Llama-style MoE decoder layer's decode step (Qwen3-MoE, Mixtral: RMSNorms, q/k/v/o quantized linears, optional
-// per-head q/k RMSNorms, RoPE, softmax top-k router, SiLU-GLU experts) in two native calls around the caller's cache
+// A Llama-style MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE: RMSNorms, q/k/v/o quantized linears,
+// optional q/k RMSNorms per head or over the projection, RoPE, softmax top-k router, SiLU-GLU experts) in two native calls around the caller's cache
 // update, composing the kernels above and in moe.c with the rounding of transformers' bf16 forward at every step
 // (each module output rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
 
@@ -104,8 +104,10 @@ void moeq_layer_pre(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
     qlinear(&L->q, h, B, q);
     qlinear(&L->k, h, B, k);
     qlinear(&L->v, h, B, v);
-    if (L->qn) moeq_rmsnorm_bf16(q, L->qn, B * L->Hq, D, L->eps_qk, q);  // per head, in place (row by row)
-    if (L->kn) moeq_rmsnorm_bf16(k, L->kn, B * L->Hkv, D, L->eps_qk, k);
+    if (L->qn) {  // in place, row by row: per head, or over each token's whole projection
+        moeq_rmsnorm_bf16(q, L->qn, L->qk_full ? B : B * L->Hq, L->qk_full ? L->Hq * D : D, L->eps_qk, q);
+        moeq_rmsnorm_bf16(k, L->kn, L->qk_full ? B : B * L->Hkv, L->qk_full ? L->Hkv * D : D, L->eps_qk, k);
+    }
     moeq_rope_bf16(q, B, L->Hq, D, cos, sin);
     moeq_rope_bf16(k, B, L->Hkv, D, cos, sin);
     free(h);

@@ -161,12 +161,13 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
 typedef struct {
     const uint16_t* ln1;            // input RMSNorm weight [H] (bf16)
     const uint16_t* ln2;            // post-attention RMSNorm weight [H]
-    const uint16_t* qn;             // per-head q/k RMSNorm weights [D], or NULL
+    const uint16_t* qn;             // q/k RMSNorm weights [D] per head, [Hq*D] / [Hkv*D] with qk_full, or NULL
     const uint16_t* kn;
     const uint16_t* router;         // softmax top-k router weight [E, H] (bf16, no bias)
     float eps1, eps2, eps_qk, scale;
     i64 H, Hq, Hkv, D, E, topk;
     int renorm, cast;               // top-k weights divided by their sum; rounded to bf16
+    int qk_full;                    // qn/kn normalize the whole projection (OLMoE), not each head (Qwen3)
     moeq_wstack q, k, v, o, w13, w2;
 } moeq_layer;
 
