@@ -64,7 +64,7 @@ def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     h = block.gate.register_forward_hook(lambda mod, inp, out: routed.append(out[2].flatten().tolist()))
     ids = torch.tensor([[5]])  # one token: top-2 of 8 experts per layer
     with torch.no_grad():
-        m(ids)
+        m(ids, use_cache=False)  # no cache: the modules' path (a decode step would take the fused native layer)
     h.remove()
     n_layers = len(m.model.layers)
     assert len(used) == 2 * 2 * n_layers  # w13 and w2 of 2 experts per layer
@@ -74,16 +74,19 @@ def test_forward_touches_only_routed_experts(tiny_ckpt, monkeypatch):
     assert [i for i, c in enumerate(fused_counts[0]) if c] == sorted(set(routed[0]))
     monkeypatch.setattr(experts_mod, "moe_forward", real_fused)
     with torch.no_grad():
-        grouped_logits = m(ids).logits
+        grouped_logits = m(ids, use_cache=False).logits
     monkeypatch.setattr(experts_mod, "moe_routed", real_routed)
     with torch.no_grad():
-        fused_logits = m(ids).logits
+        fused_logits = m(ids, use_cache=False).logits
     assert torch.equal(fused_logits, grouped_logits)  # routed in C or grouped in Python: the same kernel call
     monkeypatch.setattr(experts_mod, "moe_routed", lambda *a: None)
     monkeypatch.setattr(experts_mod, "moe_forward", lambda *a: None)
     with torch.no_grad():
-        loop_logits = m(ids).logits
+        loop_logits = m(ids, use_cache=False).logits
     assert torch.allclose(fused_logits.float(), loop_logits.float(), atol=2e-2)
+    with torch.no_grad():  # with a cache the decode step is the fused native layer: the same logits
+        layer_logits = m(ids).logits
+    assert torch.allclose(layer_logits.float(), fused_logits.float(), atol=2e-2 * fused_logits.abs().max())
 
 
 def test_experts_forward_matches_dense_loop():
