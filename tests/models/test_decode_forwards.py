@@ -155,3 +155,14 @@ def test_fused_layers_leave_other_caches_to_the_layers_own_forward(tiny_ckpt):
     dynamic = m.generate(ids, **kw)
     _own(m)
     assert torch.equal(static, m.generate(ids, **kw)) and torch.equal(dynamic, static)
+
+
+def test_fused_layers_batches_beyond_the_moe_kernel(tiny_ckpt):
+    """More sequences than the MoE kernel's 8 rows per expert take the layers' own forward: the same tokens as
+    without any native forward, for a 9-sequence batch."""
+    m = moeq.load(tiny_ckpt("mixtral"), quant="rtn-int4", progress=False)
+    ids = torch.randint(3, 100, (9, 4), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    fast = m.generate(ids, **kw)
+    _own(m)
+    assert torch.equal(fast, m.generate(ids, **kw))
