@@ -25,12 +25,12 @@ def _own(model):
 
 
 @pytest.mark.parametrize("arch,routers,layers", [("qwen3_moe", True, True), ("mixtral", True, True),
-                                                 ("olmoe", True, True), ("qwen2_moe", True, False),
+                                                 ("olmoe", True, True), ("qwen2_moe", True, True),
                                                  ("llama", False, False)])
 def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers, layers):
     """Norms, routers, attention and heads get native forwards; whole decoder layers (two native calls per decode
-    step) where every part runs natively and the MoE block is plain: Qwen3-MoE, Mixtral and OLMoE (q/k norms over the
-    whole projection), not Qwen2-MoE (shared expert) nor dense Llama; each layer compared in generate below."""
+    step) where every part runs natively: Qwen3-MoE, Mixtral, OLMoE (q/k norms over the whole projection) and Qwen2-MoE
+    (q/k/v biases, a gated shared expert), not dense Llama; each layer compared in generate below."""
     m = moeq.load(tiny_ckpt(arch), quant="rtn-int4", progress=False)
     names = _installed(m)
     fused = [n for n in names if type(m.get_submodule(n)).__name__.endswith("DecoderLayer")]

@@ -66,7 +66,8 @@ class WStack(ctypes.Structure):
 class Layer(ctypes.Structure):
     """``moeq_layer``: one MoE decoder layer described for ``moeq_layer_pre/attn/moe``."""
     _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p),
-                ("router", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("router", ctypes.c_void_p), ("bq", ctypes.c_void_p), ("bk", ctypes.c_void_p),
+                ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
                 ("eps_qk", ctypes.c_float), ("scale", ctypes.c_float), ("H", ctypes.c_int64), ("Hq", ctypes.c_int64),
                 ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64), ("E", ctypes.c_int64), ("topk", ctypes.c_int64),
                 ("renorm", ctypes.c_int), ("cast", ctypes.c_int), ("qk_full", ctypes.c_int), ("q", WStack), ("k", WStack), ("v", WStack),
@@ -114,7 +115,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_rope_bf16": (None, [_P, _I, _I, _I, _P, _P]),
     "moeq_layer_pre": (None, [_LAYER, _P, _I, _P, _P, _P, _P, _P]),
     "moeq_layer_attn": (_INT, [_LAYER, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P]),
-    "moeq_layer_moe": (_INT, [_LAYER, _P, _P, _I, _P, _P, _P]),
+    "moeq_layer_moe": (_INT, [_LAYER, _P, _P, _I, _P, _P, _P, _P]),
 }
 
 

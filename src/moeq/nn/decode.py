@@ -293,7 +293,7 @@ def _layer_plan(mod: nn.Module):
 
     attn, mlp = mod.self_attn, mod.mlp
     projs = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    plans = [cpu_ops._linear_plan(p) if hasattr(p, "qweight") and p.bias is None else None for p in projs]
+    plans = [cpu_ops._linear_plan(p) if hasattr(p, "qweight") else None for p in projs]  # biases: bf16 (the plan's)
     stacks = moe_cpu._plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native" else None
     if None in plans or stacks is None:
         return None
@@ -305,8 +305,10 @@ def _layer_plan(mod: nn.Module):
     router = mlp.gate
     renorm, cast = router._moeq_router
     ln1, ln2 = mod.input_layernorm, mod.post_attention_layernorm
-    keep = [ln1.weight, ln2.weight, router.weight, plans, stacks]
+    biases = [None if p.bias is None else p.bias.data_ptr() for p in projs]
+    keep = [ln1.weight, ln2.weight, router.weight, plans, stacks, [p.bias for p in projs]]
     cfg = native.Layer(
+        bq=biases[0], bk=biases[1], bv=biases[2], bo=biases[3],
         ln1=ln1.weight.data_ptr(), ln2=ln2.weight.data_ptr(), router=router.weight.data_ptr(),
         qn=attn.q_norm.weight.data_ptr() if norm else None, kn=attn.k_norm.weight.data_ptr() if norm else None,
         eps1=ln1._moeq_eps, eps2=ln2._moeq_eps, eps_qk=attn.q_norm._moeq_eps if norm else 0.0,
@@ -319,10 +321,10 @@ def _layer_plan(mod: nn.Module):
 
 
 class _Layer:
-    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE style) as three native calls — norms, projections, q/k
+    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE style) as three native calls — norms, projections, q/k
     norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router logits; then, after the
-    router's own top-k in torch (its tie order), the experts and the residual — instead of a dozen module calls and
-    their torch glue. Installed per layer by :func:`_try_layer` where it
+    router's own top-k in torch (its tie order; and Qwen2-MoE's gated shared expert through its own modules), the
+    experts and the residual — instead of a dozen module calls and their torch glue. Installed per layer by :func:`_try_layer` where it
     reproduced the layer's own step; anything else runs the class's own forward. Bound per instance, named
     ``forward`` as :class:`_Norm`'s."""
 
@@ -369,10 +371,15 @@ class _Layer:
         if L.moeq_layer_attn(ctypes.byref(cfg), x.data_ptr(), b, q.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
                              None if add is None else add.data_ptr(), r1.data_ptr(), n2.data_ptr(), logits.data_ptr()):
             raise MoeqError(f"layer {attn.layer_idx}: out of memory in the native decode step")
-        weights, idx = _route(mod.mlp.gate, logits)  # the router's own top-k (torch's tie order)
+        mlp = mod.mlp
+        weights, idx = _route(mlp.gate, logits)  # the router's own top-k (torch's tie order)
+        extra = None
+        if hasattr(mlp, "shared_expert"):  # Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h), its modules
+            shared = mlp.shared_expert(n2)
+            extra = (torch.sigmoid(mlp.shared_expert_gate(n2)) * shared).contiguous()
         out = torch.empty(b, 1, h, dtype=torch.bfloat16)
         if L.moeq_layer_moe(ctypes.byref(cfg), r1.data_ptr(), n2.data_ptr(), b, idx.data_ptr(), weights.data_ptr(),
-                            out.data_ptr()):
+                            None if extra is None else extra.data_ptr(), out.data_ptr()):
             raise MoeqError(f"layer {attn.layer_idx}: the native MoE step declined its routing (cannot happen for "
                             f"{b} <= {MAX_LAYER_ROWS} tokens)")
         return out
@@ -396,13 +403,20 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
             or "forward" not in getattr(attn, "__dict__", {}) or getattr(attn, "_moeq_qk_norm", None) is None
             or any(not hasattr(n, "_moeq_eps") for n in (ln1, ln2) if n is not None) or ln1 is None or ln2 is None
             or not hasattr(getattr(mlp, "gate", None), "_moeq_router") or not hasattr(mlp, "experts")
-            or set(dict(mlp.named_children())) != {"gate", "experts"}):
+            or set(dict(mlp.named_children())) not in ({"gate", "experts"},
+                                                        {"gate", "experts", "shared_expert", "shared_expert_gate"})):
         return False
     if attn._moeq_qk_norm != "none" and not (all(hasattr(n, "_moeq_eps") for n in (attn.q_norm, attn.k_norm))
                                             and attn.q_norm._moeq_eps == attn.k_norm._moeq_eps):
         return False
     router = mlp.gate.weight
-    if router.shape[1] % 32 or _layer_plan(mod) is None:
+    projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if router.shape[1] % 32 or any(getattr(p, "bias", None) is not None and p.bias.dtype != torch.bfloat16 for p in projs):
+        return False
+    if hasattr(mlp, "shared_expert_gate") and not (type(mlp.shared_expert_gate) is nn.Linear
+                                                   and mlp.shared_expert_gate.out_features == 1):
+        return False
+    if _layer_plan(mod) is None:
         return False
     params = list(inspect.signature(type(mod).forward).parameters)[2:]  # after self, hidden_states
     mod._moeq_layer_args = tuple(p for p in params if p not in ("args", "kwargs"))

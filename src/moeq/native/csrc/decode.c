@@ -85,12 +85,12 @@ void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const
 // update, composing the kernels above and in moe.c with the rounding of transformers' bf16 forward at every step
 // (each module output rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
 
-static void qlinear(const moeq_wstack* w, const uint16_t* x, i64 B, uint16_t* y) {
+static void qlinear(const moeq_wstack* w, const uint16_t* x, i64 B, const uint16_t* bias, uint16_t* y) {
     const i64 K = w->K, N = w->N;
     const i64 n = B * (K + N + 2 * K + K / 16 + 1) + N * K / 32 + 64;  // moeq_quant_linear_bf16's scratch
     float* s = (float*)malloc((size_t)n * sizeof(float));
     if (!s) return;
-    moeq_quant_linear_bf16(w, x, B, NULL, y, s);
+    moeq_quant_linear_bf16(w, x, B, bias, y, s);
     free(s);
 }
 
@@ -101,9 +101,9 @@ void moeq_layer_pre(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
     uint16_t* h = (uint16_t*)malloc((size_t)(B * H) * sizeof(uint16_t));
     if (!h) return;
     moeq_rmsnorm_bf16(x, L->ln1, B, H, L->eps1, h);
-    qlinear(&L->q, h, B, q);
-    qlinear(&L->k, h, B, k);
-    qlinear(&L->v, h, B, v);
+    qlinear(&L->q, h, B, L->bq, q);
+    qlinear(&L->k, h, B, L->bk, k);
+    qlinear(&L->v, h, B, L->bv, v);
     if (L->qn) {  // in place, row by row: per head, or over each token's whole projection
         moeq_rmsnorm_bf16(q, L->qn, L->qk_full ? B : B * L->Hq, L->qk_full ? L->Hq * D : D, L->eps_qk, q);
         moeq_rmsnorm_bf16(k, L->kn, L->qk_full ? B : B * L->Hkv, L->qk_full ? L->Hkv * D : D, L->eps_qk, k);
@@ -128,7 +128,7 @@ int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
     if (!ao) return 1;
     uint16_t* o = ao + B * L->Hq * D;
     moeq_attn_decode_bf16(q, keys, vals, mask, B, L->Hq, L->Hkv, S, D, L->scale, ao);
-    qlinear(&L->o, ao, B, o);
+    qlinear(&L->o, ao, B, L->bo, o);
     add_bf16(x, o, B * H, r1);
     moeq_rmsnorm_bf16(r1, L->ln2, B, H, L->eps2, n2);
     const int ok = moeq_bf16_gemv(n2, B, L->router, L->E, H, logits);
@@ -137,10 +137,11 @@ int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
 }
 
 // The experts for the routing idx/wt [B, A] (weights as the router returns them, in fp32) and the second residual:
-// out [B, H] = r1 + bf16(experts(n2)). Returns 1 (out untouched) when the MoE kernel declines (an expert index out of
-// range, more than 8 rows on one expert) or a buffer cannot be had.
+// out [B, H] = r1 + bf16(experts(n2)) [+ extra: bf16(bf16(experts) + extra), the gated shared expert of Qwen2-MoE].
+// Returns 1 (out untouched) when the MoE kernel declines (an expert index out of range, more than 8 rows on one
+// expert) or a buffer cannot be had.
 int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, i64 B, const i64* idx,
-                   const float* wt, uint16_t* out) {
+                   const float* wt, const uint16_t* extra, uint16_t* out) {
     const i64 H = L->H, E = L->E, A = L->topk, I = L->w2.K;
     const i64 P = B * A, act = P < E ? P : E, hd = H > I ? H : I, nd = 2 * I > H ? 2 * I : H;
     const i64 moe_scratch = act * 8 * (H / 2 + H / 16 + 2 * I + I / 2 + I / 16 + H) + 8 * H * 2 + 8 * 3 * I +
@@ -155,7 +156,11 @@ int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, 
     }
     const int declined = moeq_moe_routed(&L->w13, &L->w2, xf, H, I, idx, wt, B, A, E, mo, mo + B * H);
     if (!declined)
-        for (i64 i = 0; i < B * H; i++) out[i] = f2bf(bf2f(r1[i]) + bf2f(f2bf(mo[i])));
+        for (i64 i = 0; i < B * H; i++) {
+            float m = bf2f(f2bf(mo[i]));
+            if (extra) m = bf2f(f2bf(m + bf2f(extra[i])));
+            out[i] = f2bf(bf2f(r1[i]) + m);
+        }
     free(f);
     return declined;
 }

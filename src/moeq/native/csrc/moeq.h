@@ -164,6 +164,10 @@ typedef struct {
     const uint16_t* qn;             // q/k RMSNorm weights [D] per head, [Hq*D] / [Hkv*D] with qk_full, or NULL
     const uint16_t* kn;
     const uint16_t* router;         // softmax top-k router weight [E, H] (bf16, no bias)
+    const uint16_t* bq;             // q/k/v/o projection biases (bf16) or NULL
+    const uint16_t* bk;
+    const uint16_t* bv;
+    const uint16_t* bo;
     float eps1, eps2, eps_qk, scale;
     i64 H, Hq, Hkv, D, E, topk;
     int renorm, cast;               // top-k weights divided by their sum; rounded to bf16
@@ -181,5 +185,5 @@ void moeq_layer_pre(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
 int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
                     const uint16_t* vals, i64 S, const float* mask, uint16_t* r1, uint16_t* n2, uint16_t* logits);
 int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, i64 B, const i64* idx,
-                   const float* wt, uint16_t* out);
+                   const float* wt, const uint16_t* extra, uint16_t* out);
 #endif
