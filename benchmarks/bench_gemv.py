@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -15,23 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moeq import native  # noqa: E402
+from moeq.bench import best_seconds  # noqa: E402
 from moeq.config import BNB4, RTN  # noqa: E402
 from moeq.nn import decode  # noqa: E402
 from moeq.nn.linear import QuantLinear  # noqa: E402
 
 FORMATS = {"q4_0": RTN(4, 32, grid="signed"), "rtn-int4 g128": RTN(4, 128), "iq4nl": RTN(4, 32, grid="iq4nl"),
            "q5_0": RTN(5, 32, grid="signed"), "q8_0": RTN(8, 32, grid="signed"), "nf4": BNB4("nf4", 64, True)}
-
-
-def best(f, n: int = 100) -> float:
-    for _ in range(3):
-        f()
-    t = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        t = min(t, time.perf_counter() - t0)
-    return t
 
 
 def main() -> None:
@@ -42,12 +31,13 @@ def main() -> None:
         for n, k in [(4096, 2048), (1536, 2048)]:
             mod = QuantLinear(cfg.quantize(torch.randn(n, k).bfloat16()))
             x = torch.randn(1, 1, k).bfloat16()
-            rec["gweights_per_s"][f"{name} {n}x{k}"] = n * k / best(lambda: mod(x)) / 1e9
+            rec["gweights_per_s"][f"{name} {n}x{k}"] = n * k / best_seconds(lambda: mod(x), 100, warmup=3) / 1e9
     w = torch.randn(151936 // 4, 2048).bfloat16()
     x = torch.randn(1, 2048).bfloat16()
+    gb = w.numel() * 2 / 1e9
     native_head = decode.bf16_linear(x, w) is not None  # None: no SIMD build, heads stay on torch
-    rec["bf16_head_gbps"] = w.numel() * 2 / best(lambda: decode.bf16_linear(x, w), 20) / 1e9 if native_head else None
-    rec["torch_bf16_head_gbps"] = w.numel() * 2 / best(lambda: torch.nn.functional.linear(x, w), 20) / 1e9
+    rec["bf16_head_gbps"] = gb / best_seconds(lambda: decode.bf16_linear(x, w), 20, warmup=3) if native_head else None
+    rec["torch_bf16_head_gbps"] = gb / best_seconds(lambda: torch.nn.functional.linear(x, w), 20, warmup=3)
     out = ROOT / "benchmarks" / "results" / "gemv_isa.json"
     runs = json.loads(out.read_text())["runs"] if out.exists() else []
     runs.append(rec)

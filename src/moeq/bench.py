@@ -153,8 +153,11 @@ def bytes_per_token(model: nn.Module, top_k: int) -> float:
     return total + emb.shape[1] * emb.element_size()
 
 
-def _best(fn, reps: int) -> float:
-    """Fastest of ``reps`` timed runs: these machines are shared, and interference only ever adds time."""
+def best_seconds(fn, reps: int, warmup: int = 0) -> float:
+    """Fastest of ``reps`` timed runs (after ``warmup`` untimed ones): these machines are shared, and interference only
+    ever adds time."""
+    for _ in range(warmup):
+        fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -174,8 +177,8 @@ def decode_tps(model: nn.Module, batch: int, prompt: int = 32, new: int = 128, r
     ids = torch.randint(0, _id_bound(model), (batch, prompt), generator=torch.Generator().manual_seed(batch))
     kw = dict(do_sample=False, pad_token_id=0)
     model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-    first = _best(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), reps)
-    full = _best(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), reps)
+    first = best_seconds(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), reps)
+    full = best_seconds(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), reps)
     return batch * (new - 1) / max(full - first, 1e-9)
 
 

@@ -70,7 +70,8 @@ class Layer(ctypes.Structure):
                 ("bv", ctypes.c_void_p), ("bo", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
                 ("eps_qk", ctypes.c_float), ("scale", ctypes.c_float), ("H", ctypes.c_int64), ("Hq", ctypes.c_int64),
                 ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64), ("E", ctypes.c_int64), ("topk", ctypes.c_int64),
-                ("renorm", ctypes.c_int), ("cast", ctypes.c_int), ("qk_full", ctypes.c_int), ("q", WStack), ("k", WStack), ("v", WStack),
+                ("renorm", ctypes.c_int), ("cast", ctypes.c_int), ("qk_full", ctypes.c_int), ("q", WStack),
+                ("k", WStack), ("v", WStack),
                 ("o", WStack), ("w13", WStack), ("w2", WStack)]
 
 

@@ -287,8 +287,8 @@ MAX_LAYER_ROWS = 8  # the MoE kernel's rows per expert: B tokens of one step rou
 
 
 def _layer_plan(mod: nn.Module):
-    """The decoder layer described for ``moeq_layer_pre/post`` (``native.Layer``, tensors kept alive), built once and
-    reused while the layer's weights stay the same tensors; None when a part is outside the native forms."""
+    """The decoder layer described for ``moeq_layer_pre/attn/moe`` (``native.Layer``, tensors kept alive), built once
+    and reused while the layer's weights stay the same tensors; None when a part is outside the native forms."""
     from moeq.kernels import cpu_ops, moe_cpu  # noqa: PLC0415
 
     attn, mlp = mod.self_attn, mod.mlp
@@ -314,19 +314,19 @@ def _layer_plan(mod: nn.Module):
         eps1=ln1._moeq_eps, eps2=ln2._moeq_eps, eps_qk=attn.q_norm._moeq_eps if norm else 0.0,
         scale=float(attn.scaling), H=router.weight.shape[1], Hq=projs[0].out_features // attn.head_dim,
         Hkv=projs[1].out_features // attn.head_dim, D=attn.head_dim, E=router.weight.shape[0], topk=router.top_k,
-        renorm=int(renorm), cast=int(cast), qk_full=int(attn._moeq_qk_norm == "full"), q=plans[0][0], k=plans[1][0], v=plans[2][0], o=plans[3][0],
-        w13=stacks[0], w2=stacks[1])
+        renorm=int(renorm), cast=int(cast), qk_full=int(attn._moeq_qk_norm == "full"),
+        q=plans[0][0], k=plans[1][0], v=plans[2][0], o=plans[3][0], w13=stacks[0], w2=stacks[1])
     slot.value = (key, (cfg, keep))
     return slot.value[1]
 
 
 class _Layer:
-    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE style) as three native calls — norms, projections, q/k
-    norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router logits; then, after the
-    router's own top-k in torch (its tie order; and Qwen2-MoE's gated shared expert through its own modules), the
-    experts and the residual — instead of a dozen module calls and their torch glue. Installed per layer by :func:`_try_layer` where it
-    reproduced the layer's own step; anything else runs the class's own forward. Bound per instance, named
-    ``forward`` as :class:`_Norm`'s."""
+    """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE style) as three native calls —
+    norms, projections, q/k norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router
+    logits; then, after the router's own top-k in torch (its tie order; and Qwen2-MoE's gated shared expert through
+    its own modules), the experts and the residual — instead of a dozen module calls and their torch glue. Installed
+    per layer by :func:`_try_layer` where it reproduced the layer's own step; anything else runs the class's own
+    forward. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
 
     @staticmethod
     def forward(mod: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
@@ -343,15 +343,14 @@ class _Layer:
                 or cos.dtype != torch.bfloat16 or cos.shape != (b, 1, attn.head_dim) or named.get("output_attentions")):
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         layers = getattr(cache, "layers", None)
-        if not (isinstance(layers, list) and attn.layer_idx < len(layers) and type(layers[attn.layer_idx]) is _full_layer()):
-            # a static, sliding-window or quantized cache: its update returns other shapes; the layer's own forward
+        full = isinstance(layers, list) and attn.layer_idx < len(layers) and type(layers[attn.layer_idx]) is _full_layer()
+        if not full:  # a static, sliding-window or quantized cache: its update returns other shapes
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         s = cache.get_seq_length(attn.layer_idx) + 1
         add = attention.additive_mask(attention_mask, b, s)
         plan = _layer_plan(mod) if add is not False else None
         if plan is None:
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
-        kwargs = named  # what the attention module would pass on to the cache
         cfg = plan[0]
         x = hidden_states.contiguous()
         q = torch.empty(b, cfg.Hq, cfg.D, dtype=torch.bfloat16)
@@ -361,7 +360,8 @@ class _Layer:
         cs, sn = cos.contiguous(), sin.contiguous()
         L.moeq_layer_pre(ctypes.byref(cfg), x.data_ptr(), b, cs.data_ptr(), sn.data_ptr(), q.data_ptr(), k.data_ptr(),
                          v.data_ptr())
-        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), attn.layer_idx, kwargs=kwargs)
+        # `named` holds what the attention module would pass on to the cache
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), attn.layer_idx, kwargs=named)
         keys, values = keys.contiguous(), values.contiguous()
         if keys.shape != (b, cfg.Hkv, s, cfg.D) or values.shape != keys.shape:
             raise MoeqError(f"layer {attn.layer_idx}: the cache returned keys {tuple(keys.shape)} for a step at "
@@ -393,8 +393,8 @@ def _full_layer() -> type:
 
 def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
     """Install :class:`_Layer` on a decoder layer whose parts already run natively (norms, attention, router, experts,
-    quantized bias-free projections) where it reproduces the layer's own decode step on a probe: three tokens of
-    prefill, then one step at position 3, each against its own cache."""
+    quantized projections with bf16 biases or none) where it reproduces the layer's own decode step on a probe: three
+    tokens of prefill, then one step at position 3, each against its own cache."""
     from transformers import DynamicCache  # noqa: PLC0415
 
     attn, mlp = getattr(mod, "self_attn", None), getattr(mod, "mlp", None)
@@ -411,7 +411,7 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
         return False
     router = mlp.gate.weight
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if router.shape[1] % 32 or any(getattr(p, "bias", None) is not None and p.bias.dtype != torch.bfloat16 for p in projs):
+    if router.shape[1] % 32 or any(p.bias.dtype != torch.bfloat16 for p in projs if getattr(p, "bias", None) is not None):
         return False
     if hasattr(mlp, "shared_expert_gate") and not (type(mlp.shared_expert_gate) is nn.Linear
                                                    and mlp.shared_expert_gate.out_features == 1):
@@ -449,8 +449,8 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
 
 def install(model: nn.Module) -> dict[str, int]:
     """Give the model's bf16 RMSNorms, softmax top-k routers, Llama-style attention modules and bf16 output head their
-    native decode forwards where each reproduces the module's own output; returns how many of each got one. A no-op without
-    SIMD native kernels (AVX512-BF16, or AVX2 + FMA)."""
+    native decode forwards, then whole MoE decoder layers, where each reproduces the module's own output; returns how
+    many of each got one. A no-op without SIMD native kernels (AVX512-BF16, or AVX2 + FMA)."""
     done = {"rms_norm": 0, "router": 0, "attention": 0, "head": 0, "layer": 0}
     if not native.has_simd():
         return done

@@ -80,10 +80,11 @@ void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const
 
 
 // ---------------------------------------------------------------- one decoder layer ------------------------------
-// A Llama-style MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE: RMSNorms, q/k/v/o quantized linears,
-// optional q/k RMSNorms per head or over the projection, RoPE, softmax top-k router, SiLU-GLU experts) in two native calls around the caller's cache
-// update, composing the kernels above and in moe.c with the rounding of transformers' bf16 forward at every step
-// (each module output rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
+// A Llama-style MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE: RMSNorms, q/k/v/o quantized
+// linears with optional biases, optional q/k RMSNorms per head or over the projection, RoPE, softmax top-k router,
+// SiLU-GLU experts) in three native calls — around the caller's cache update and its router top-k —, composing the
+// kernels above and in moe.c with the rounding of transformers' bf16 forward at every step (each module output
+// rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
 
 static void qlinear(const moeq_wstack* w, const uint16_t* x, i64 B, const uint16_t* bias, uint16_t* y) {
     const i64 K = w->K, N = w->N;

@@ -250,7 +250,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
 #if defined(MOEQ_AVX2)  // x as int16 per 32-chunk (rows_avx2.h): one scale per chunk instead of a sum per group
     const i64 G1 = H / w13->gs, G2 = I / w2->gs, C1 = H / 32, C2 = I / 32;
     __m128i t13[2], t2[2];
-    if ((w13->values && !cb_tables_i8(w13->values, w13->bits, t13)) || (w2->values && !cb_tables_i8(w2->values, w2->bits, t2))) {
+    if ((w13->values && !cb_tables_i8(w13->values, w13->bits, t13)) ||
+        (w2->values && !cb_tables_i8(w2->values, w2->bits, t2))) {
         free(act);
         moeq_moe_forward(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out, scratch);
         return;
@@ -373,8 +374,8 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN && (w13->bits == 4 || w13->lut) &&
-            (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
+        if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN &&
+            (w13->bits == 4 || w13->lut) && (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
             moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
         else
             moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
