@@ -103,6 +103,13 @@ def test_named_mixes(model_type, tiny_ckpt, tmp_path, capsys):
     f = formats(moeq.load(src, quant="q5_0-m", progress=False))  # 2 layers: llama.cpp gives layer 1 more bits
     downs = {n: f[n][1]["bits"] for n in f if n.endswith("experts.w2")}
     assert downs == {n: 8 if ".layers.1." in n else 5 for n in downs} and ".layers.1." in " ".join(downs)
+    for name in ("nl3-s", "nl3-m"):  # 3-bit mixes: k,v 8-bit, o (and for -m every expert down) iq4nl-dq
+        f = formats(moeq.load(src, quant=name, progress=False))
+        assert all(f[n][1]["bits"] == 8 for n in kv)
+        four = [n for n in f if n.removesuffix(".weight").endswith("o_proj") or (name == "nl3-m" and n.endswith("w2"))]
+        assert four and all(f[n][1]["grid"] == "iq4nl" and f[n][1]["bits"] == 4 for n in four)
+        three = [n for n in f if n.endswith("experts.w13") or (name == "nl3-s" and n.endswith("experts.w2"))]
+        assert three and all(f[n][1]["grid"] == "nl3" and f[n][1]["bits"] == 3 for n in three)
     assert main(["quantize", str(src), str(tmp_path / "x"), "--method", "iq4nl-m", "--rule", "*.nonexistent=q8_0"]) == 2
     assert "'*.nonexistent' matches no module" in capsys.readouterr().err and not (tmp_path / "x").exists()
     out = tmp_path / "y"

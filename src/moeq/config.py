@@ -72,7 +72,7 @@ class RTN(FormatConfig):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
-    grid: Literal["vllm", "signed", "iq4nl"] = "vllm"
+    grid: Literal["vllm", "signed", "iq4nl", "nl3"] = "vllm"
     search: int = 0  # clip candidates per group; signed/iq4nl grids: importance-weighted scale search steps
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
@@ -91,8 +91,10 @@ class RTN(FormatConfig):
                              "4096 or -1")
         if self.weighting not in rtn.WEIGHTINGS:
             raise MoeqError(f"unsupported search weighting {self.weighting!r}; valid choices: {list(rtn.WEIGHTINGS)}")
-        if self.grid in rtn.CODEBOOKS and (self.bits != 4 or not self.symmetric or self.refine or self.hqq):
-            raise MoeqError(f"grid {self.grid!r} is a symmetric 4-bit codebook: bits=4, symmetric, no refine/hqq")
+        if self.grid in rtn.CODEBOOKS and (self.bits != rtn.CODEBOOK_BITS[self.grid] or not self.symmetric or self.refine
+                                           or self.hqq):
+            b = rtn.CODEBOOK_BITS[self.grid]
+            raise MoeqError(f"grid {self.grid!r} is a symmetric {b}-bit codebook: bits={b}, symmetric, no refine/hqq")
         if not 0 <= self.search <= 127:
             raise MoeqError(f"search must be 0..127, got {self.search}")
         if self.double_quant and self.grid not in rtn.CODEBOOKS:
@@ -200,6 +202,9 @@ METHODS: dict[str, FormatConfig] = {
     "iq4nl": RTN(4, 32, grid="iq4nl", search=7, weighting="row"),
     # the same with int8 codes of a per-row bf16 scale: 4.25 + 16/K bits per weight (GGUF: IQ4_NL, scales to fp16)
     "iq4nl-dq": RTN(4, 32, grid="iq4nl", search=7, weighting="row", double_quant=True),
+    # 3 bits: every other IQ4_NL value (grid nl3), the same search, group 16 with double-quantized scales: 3.5 + 16/K
+    # bits per weight (llama.cpp's Q3_K: 3.44). Its mixes below add bits where llama.cpp's Q3_K_S / Q3_K_M do.
+    "nl3": RTN(3, 16, grid="nl3", search=7, weighting="row", double_quant=True),
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),
@@ -222,6 +227,11 @@ MIXES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
     "iq4nl-m": ("iq4nl", tuple((p, "q8_0") for p in _KV)),
     "iq4nl-l": ("iq4nl", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2", "*shared_expert.down_proj"))),
     "q4_0-m": ("q4_0-opt", tuple((p, "q8_0") for p in _KV)),  # every tensor Q4_0/Q8_0 in GGUF, losslessly
+    # 3-bit mixes where llama.cpp's Q3_K_S / Q3_K_M spend their bits (for MoE: k,v 8-bit; o 4-bit+, _M: every down
+    # projection at 4 bits)
+    "nl3-s": ("nl3", (*((p, "q8_0") for p in _KV), ("*.o_proj", "iq4nl-dq"))),
+    "nl3-m": ("nl3", (*((p, "q8_0") for p in _KV), *((p, "iq4nl-dq") for p in (
+        "*.o_proj", "*.experts.w2", "*shared_expert.down_proj", "*.mlp.down_proj")))),
     # 5-bit everywhere, k,v and the down projections of llama.cpp's more-bits layers 8-bit (Q5_0/Q8_0 in GGUF)
     "q5_0-m": ("q5_0-opt", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2" + MORE, "*shared_expert.down_proj" + MORE))),
 }

@@ -45,7 +45,7 @@ def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, bits, dtype):
     assert torch.equal(q.dequantize(torch.bfloat16), q.dequantize_reference(torch.bfloat16))
 
 
-@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 4), ("signed", 5)])
+@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 4), ("signed", 5), ("nl3", 3)])
 @pytest.mark.parametrize("weighting", ["x2", "row", "mse"])
 def test_native_search_matches_torch_twin(grid, bits, weighting):
     w = _weights(rows=48, k=256, seed=1)
@@ -56,7 +56,7 @@ def test_native_search_matches_torch_twin(grid, bits, weighting):
     assert torch.equal(b.scale, scale) and torch.equal(b.codes(), codes)  # the fallback is the twin itself
     same = (a.scale == b.scale).float().mean()
     # sums in another order may tip a near-tie candidate (32 levels: more candidates land on equal errors)
-    assert same > (0.99 if bits == 4 else 0.85)
+    assert same > (0.85 if bits == 5 else 0.99)
     ea, eb = _werr(w, a, weighting), _werr(w, b, weighting)
     assert abs(ea - eb) <= 1e-3 * eb
 
@@ -199,10 +199,10 @@ def test_double_quantized_scales(dtype):
         rtn.quantize(w, 4, 32, True, "vllm", double_quant=True)
 
 
-@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 5)])
+@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 5), ("nl3", 3)])
 def test_requant_kernel_matches_nearest_value(grid, bits):
     """moeq_cb4_requant (the codes for given double-quantized scales) picks the nearest table value of w / scale,
-    ties to the lower one, for 16- and 32-value tables, including a zero scale."""
+    ties to the lower one, for 8-, 16- and 32-value tables, including a zero scale."""
     from moeq import native
     from moeq.formats.packing import packed_size, unpack
 
@@ -217,9 +217,44 @@ def test_requant_kernel_matches_nearest_value(grid, bits):
     sc[0, 0] = 0
     sup = (w.abs().amax(-1) / values.abs().max() / 64).to(torch.bfloat16)
     q = torch.empty(rows, packed_size(k, bits), dtype=torch.uint8)
-    L.moeq_cb4_requant(native.ptr(w), 0, rows, k, gs, native.ptr(values), values.numel(), native.ptr(sc),
+    padded = rtn.native_values(grid, bits)  # the kernels read 16 values
+    L.moeq_cb4_requant(native.ptr(w), 0, rows, k, gs, native.ptr(padded), values.numel(), native.ptr(sc),
                        native.ptr(sup), native.ptr(q))
     scale = (sc.float() * sup.float().unsqueeze(-1)).repeat_interleave(gs, -1)
     v = w * torch.where(scale != 0, 1 / torch.where(scale != 0, scale, 1.0), 0.0)
     want = torch.bucketize(v, (values[1:] + values[:-1]) / 2)
     assert torch.equal(unpack(q, bits).long(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nl3_three_bit_codebook(dtype):
+    """nl3: every other IQ4_NL value, 3-bit codes eight per 24-bit word; the native search, double quantization and
+    dequantization equal their torch twins; at group 16 with double-quantized scales (3.5 + 16/K bits) its weighted
+    error is far below 3-bit RTN's at group 32 (3.5 bits as well) and above iq4nl's; the config refuses other widths."""
+    import dataclasses
+
+    from moeq.formats.codebooks import NL3
+
+    assert NL3 == (-127, -83, -49, -22, 1, 25, 53, 89) and set(NL3) <= set(IQ4NL)
+    w = _weights(rows=64, k=512).to(dtype)
+    q = rtn.quantize(w, 3, 16, True, "nl3", search=7, weighting="row", double_quant=True)
+    assert q.qdata.shape == (64, 512 * 3 // 8) and q.bits_per_weight == pytest.approx(3.5 + 16 / 512)
+    twin = rtn.quantize(w, 3, 16, True, "nl3", search=7, weighting="row", double_quant=True, native=False)
+    assert (twin.codes() == q.codes()).float().mean() > 0.99  # sums in another order may tip a near tie
+    full = rtn.quantize(w, 3, 16, True, "nl3", search=7, weighting="row")
+    assert torch.equal(rtn._double_quant(full, w, native_ok=False).qdata, q.qdata)  # native requant == torch
+    assert torch.equal(q.dequantize(torch.float32), q.dequantize_reference(torch.float32))
+    assert torch.equal(q.dequantize(torch.bfloat16), q.dequantize_reference(torch.bfloat16))
+    vals = torch.tensor(NL3, dtype=torch.float32)
+    by_hand = vals[q.codes().long()].view(64, -1, 16) * q.group_scales().unsqueeze(-1)
+    assert torch.equal(by_hand.flatten(-2), q.dequantize_reference(torch.float32))
+    asym = rtn.quantize(w, 3, 32, False)  # 3 + 16/32 + 8/32 bits
+    iq4 = rtn.quantize(w, 4, 32, True, "iq4nl", search=7, weighting="row")
+    assert _werr(w, iq4, "row") < _werr(w, q, "row") < 0.8 * _werr(w, asym, "row")
+    with pytest.raises(MoeqError, match="3-bit codebook"):
+        RTN(4, 16, grid="nl3")
+    with pytest.raises(MoeqError, match="3-bit codebook"):
+        rtn.quantize(w, 4, 16, True, "nl3")
+    with pytest.raises(MoeqError, match="4-bit codebook"):
+        RTN(3, 16, grid="iq4nl")
+    assert dataclasses.replace(q, bits=4).problems()  # stored 3-bit codes claimed as 4-bit

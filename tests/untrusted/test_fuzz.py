@@ -188,7 +188,7 @@ def check(isolated, ckpt: Path, ref: Path, mutation, data, quant=None) -> None:
 
 
 # ---- the properties -----------------------------------------------------------------------------------------------
-SAVED_METHODS = ["rtn-int4", "rtn-int4-asym", "rtn-int8", "nf4", "int8", "iq4nl", "iq4nl-dq"]
+SAVED_METHODS = ["rtn-int4", "rtn-int4-asym", "rtn-int8", "nf4", "int8", "iq4nl", "iq4nl-dq", "nl3"]
 
 
 @FUZZ

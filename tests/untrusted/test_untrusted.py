@@ -349,7 +349,7 @@ def test_huge_weights_refused_when_quantizing(tiny_ckpt, isolated, tmp_path, met
 
 
 @pytest.mark.parametrize("method", ["rtn-int4", "rtn-int4-asym", "rtn-int8", "rtn-int3", "nf4", "fp4", "int8",
-                                    "nf4-opt", "rtn-int4-opt", "q4_0", "iq4nl", "q4_0-opt", "q5_0-opt"])
+                                    "nf4-opt", "rtn-int4-opt", "q4_0", "iq4nl", "q4_0-opt", "q5_0-opt", "nl3"])
 @pytest.mark.parametrize("peak", [3e38, 1e38, 6e4])
 def test_huge_weights_error_or_sound(method, peak):
     """Every method either refuses a weight with huge finite values (naming it) or returns a sound result: finite,

@@ -355,9 +355,9 @@ def _quantize_native(w, blocksize, bounds, order, packed, absmax) -> bool:
     w = w.contiguous()
     if L is None or not native.usable(w, packed, absmax):
         return False
-    order8 = order.to(torch.uint8).contiguous()
+    order8, bounds = order.to(torch.uint8).contiguous(), bounds.contiguous()  # held for the call
     L.moeq_bnb4_quantize(native.ptr(w), int(w.dtype == torch.bfloat16), native.i64(w.numel() // blocksize),
-                         native.i64(blocksize), native.ptr(bounds.contiguous()), native.ptr(order8), native.ptr(packed),
+                         native.i64(blocksize), native.ptr(bounds), native.ptr(order8), native.ptr(packed),
                          native.ptr(absmax))
     return True
 

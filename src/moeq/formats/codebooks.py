@@ -12,6 +12,10 @@ FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -
 QUANT_TYPES = ("nf4", "fp4")
 # llama.cpp's IQ4_NL values (kvalues_iq4nl in ggml-common.h): a non-uniform 4-bit grid, value = block scale * entry
 IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# moeq's 3-bit grid: every other IQ4_NL value from the bottom (measured on real weights against the other halving,
+# Lloyd-Max points for a Gaussian and a weighted-Lloyd fit: lowest KL — benchmarks/README). Keeps IQ4_NL's asymmetry,
+# which the scale search's two signs turn into a choice of the wider side per group.
+NL3 = IQ4NL[0::2]
 
 
 def code4(quant_type: str) -> torch.Tensor:

@@ -16,6 +16,8 @@ Grids:
   and the step is 2**(b-1)/(2**b-1)*2 = ~6% finer at 4 bits. Same storage; the scale may be negative.
 - ``"iq4nl"`` (4-bit, symmetric): a non-uniform codebook, value = ``scale * IQ4NL[q]`` (llama.cpp's IQ4_NL values,
   -127..113), no zero point; the GGUF export writes IQ4_NL blocks from it losslessly at group 32.
+- ``"nl3"`` (3-bit, symmetric): the same with every other IQ4_NL value (-127, -83, -49, -22, 1, 25, 53, 89), codes
+  packed eight per 24-bit word; moeq's 3-bit format (at group 16 with double-quantized scales: 3.5 + 16/K bits).
 - asymmetric (``symmetric=False``): min/max (widened to include 0) over ``2**b-1`` steps with an integer zero point.
 
 Double-quantized scales (``double_quant=True``, codebook grids): ``scale`` holds int8 codes and ``scale_super``
@@ -38,7 +40,7 @@ import torch
 from moeq.formats.base import (
     PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, expect_tensor, row_chunks, tensor_field,
 )
-from moeq.formats.codebooks import IQ4NL
+from moeq.formats.codebooks import IQ4NL, NL3
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 from moeq.errors import MoeqError
 
@@ -48,8 +50,9 @@ GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up t
 
 def valid_group_size(gs: int) -> bool:
     return gs == -1 or (16 <= gs <= 4096 and gs % 16 == 0)
-GRIDS = ("vllm", "signed", "iq4nl")
-CODEBOOKS = {"iq4nl": IQ4NL}  # grids whose values are a table: value = scale * table[code]
+GRIDS = ("vllm", "signed", "iq4nl", "nl3")
+CODEBOOKS = {"iq4nl": IQ4NL, "nl3": NL3}  # grids whose values are a table: value = scale * table[code]
+CODEBOOK_BITS = {g: len(v).bit_length() - 1 for g, v in CODEBOOKS.items()}
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
 
 
@@ -60,10 +63,17 @@ def searched_natively(grid: str, bits: int, symmetric: bool, search: int) -> boo
 
 
 def grid_values(grid: str, bits: int = 4) -> tuple[int, ...] | None:
-    """The values a symmetric 4/5-bit grid decodes codes 0.. to, in units of the scale (None: asymmetric)."""
+    """The values a symmetric grid decodes codes 0.. to, in units of the scale (None: asymmetric)."""
     if grid in CODEBOOKS:
         return CODEBOOKS[grid]
     return tuple(range(-(1 << (bits - 1)), 1 << (bits - 1))) if grid in ("vllm", "signed") else None
+
+
+def native_values(grid: str, bits: int) -> torch.Tensor:
+    """A symmetric grid's values as the native kernels take them: fp32, padded with its last value to at least 16
+    (their vector loads read 16)."""
+    v = grid_values(grid, bits)
+    return torch.tensor(v + (v[-1],) * max(0, 16 - len(v)), dtype=torch.float32)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -108,8 +118,8 @@ class RTNWeight(PackedWeight):
                     f"({self.bits}-bit packing)"]
         if self.grid not in (*GRIDS, "asym"):
             return [f"grid {self.grid!r} not in {[*GRIDS, 'asym']}"]
-        if self.grid in CODEBOOKS and self.bits != 4:
-            return [f"grid {self.grid!r} is a 4-bit codebook, not {self.bits}-bit"]
+        if self.grid in CODEBOOKS and self.bits != CODEBOOK_BITS[self.grid]:
+            return [f"grid {self.grid!r} is a {CODEBOOK_BITS[self.grid]}-bit codebook, not {self.bits}-bit"]
         if (self.grid == "asym") != (self.zero is not None):
             return ["an asymmetric grid needs its zero points" if self.zero is None else
                     f"zero points given for the symmetric grid {self.grid!r}"]
@@ -150,7 +160,8 @@ class RTNWeight(PackedWeight):
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
         from moeq import native  # noqa: PLC0415
 
-        if self.bits not in (4, 5, 8) or self.scale.dtype not in (torch.bfloat16, torch.float32, torch.int8):
+        if (self.bits not in (4, 5, 8) and self.grid not in CODEBOOKS) or self.scale.dtype not in (
+                torch.bfloat16, torch.float32, torch.int8):
             return None
         if self.bits == 5 and self.zero is not None:
             return None
@@ -164,7 +175,7 @@ class RTNWeight(PackedWeight):
         native.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
                  (self.zero, rows * ng), (self.scale_super, rows * 2), (out, self.numel * out.element_size()))
         if self.grid in CODEBOOKS or self.bits == 5:
-            values = torch.tensor(grid_values(self.grid, self.bits), dtype=torch.float32)
+            values = native_values(self.grid, self.bits)
             L.moeq_cb4_dequant(native.ptr(self.qdata), native.ptr(self.scale), self.scale_kind,
                                native.ptr(self.scale_super), native.ptr(values), self.bits, native.i64(rows),
                                native.i64(k), native.i64(gs), native.ptr(out), int(dtype == torch.bfloat16))
@@ -244,8 +255,9 @@ def quantize(
     _groups(w, group_size, name)  # validates divisibility
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
-    if grid in CODEBOOKS and (bits != 4 or not symmetric):
-        raise MoeqError(f"grid {grid!r} is a symmetric 4-bit codebook: use bits=4, symmetric=True")
+    if grid in CODEBOOKS and (bits != CODEBOOK_BITS[grid] or not symmetric):
+        raise MoeqError(f"grid {grid!r} is a symmetric {CODEBOOK_BITS[grid]}-bit codebook: use "
+                        f"bits={CODEBOOK_BITS[grid]}, symmetric=True")
     if weighting not in WEIGHTINGS:
         raise choice_error("search weighting", weighting, tuple(WEIGHTINGS))
     if importance is not None:
@@ -399,6 +411,7 @@ def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, 
 
     k = w.shape[-1]
     values = torch.tensor(grid_values(grid, bits), dtype=torch.float32)
+    padded = native_values(grid, bits)
     wc = w.contiguous()
     L = native.lib() if w.device.type == "cpu" and native_ok else None
     if (L is not None and wc.dtype in (torch.bfloat16, torch.float32) and gs % 16 == 0 and gs <= 4096
@@ -407,7 +420,7 @@ def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, 
         qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
         scale = torch.empty(*w.shape[:-1], k // gs, dtype=torch.bfloat16)
         L.moeq_cb4_search(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs),
-                          native.ptr(values), values.numel(), int(ntry), WEIGHTINGS[weighting], native.ptr(importance), native.ptr(qdata),
+                          native.ptr(padded), values.numel(), int(ntry), WEIGHTINGS[weighting], native.ptr(importance), native.ptr(qdata),
                           native.ptr(scale))
     else:
         from moeq.formats.search import codebook_search  # noqa: PLC0415
@@ -442,8 +455,9 @@ def _double_quant(q: RTNWeight, w: torch.Tensor, native_ok: bool = True) -> RTNW
     L = native.lib() if w.device.type == "cpu" and native_ok else None
     qdata = torch.empty(rows, packed_size(k, q.bits), dtype=torch.uint8)
     if L is not None and wc.dtype in (torch.bfloat16, torch.float32) and native.usable(wc) and gs <= 4096:
+        padded = native_values(q.grid, q.bits)  # held for the call
         L.moeq_cb4_requant(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k),
-                           native.i64(gs), native.ptr(values), values.numel(), native.ptr(codes), native.ptr(sup),
+                           native.i64(gs), native.ptr(padded), values.numel(), native.ptr(codes), native.ptr(sup),
                            native.ptr(qdata))
     else:
         mid = (values[1:] + values[:-1]) / 2

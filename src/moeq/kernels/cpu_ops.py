@@ -9,6 +9,7 @@ import ctypes
 import torch
 
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
+from moeq.formats.rtn import CODEBOOKS
 from moeq import native
 from moeq.kernels.registry import register
 from moeq.kernels.moe_cpu import codebook_of, codebook_tables, describe
@@ -56,8 +57,9 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
              max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
     L = native.lib()
-    if m is None or L is None or w.bits not in (4, 5, 8) or w.scale.dtype not in (torch.bfloat16, torch.float32,
-                                                                                  torch.int8):
+    if m is None or L is None or w.scale.dtype not in (torch.bfloat16, torch.float32, torch.int8):
+        return None
+    if w.bits not in (4, 5, 8) and w.grid not in CODEBOOKS:  # 2/3-bit RTN: dequantize + matmul
         return None
     if not native.usable(w.qdata, w.scale, w.zero, w.scale_super):
         return None
@@ -100,12 +102,12 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
 
 def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int, k: int, gs: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    """4-bit codebook grids (value = scale * table[code]): AVX512-BF16 dot products on bf16 activations in 64-chunks
-    (gs 32 or a multiple of 64), else the fp32 kernel."""
+    """Codebook grids (value = scale * table[code]): AVX512-BF16 dot products on bf16 activations in 64-chunks
+    (gs 16, 32 or a multiple of 64), else the fp32 kernel."""
     values, lut = codebook_tables(table)
     y = torch.empty(m, n, dtype=torch.float32)
     sb, sup = w.scale_kind, native.ptr(w.scale_super)
-    if x.dtype == torch.bfloat16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0) and native.has_dpbf16():
+    if x.dtype == torch.bfloat16 and k % 64 == 0 and gs in (16, 32, *range(64, k + 1, 64)) and native.has_dpbf16():
         xb = _perm64(x.reshape(m, k).contiguous())
         if L.moeq_cb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, sup,
                                 native.ptr(lut), native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y)):

@@ -9,7 +9,7 @@ import torch
 
 from moeq import native
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
-from moeq.formats.rtn import CODEBOOKS, grid_values
+from moeq.formats.rtn import CODEBOOK_BITS, CODEBOOKS, grid_values, native_values
 from moeq.kernels.registry import by_format
 from moeq.native import Fmt, WStack
 
@@ -36,7 +36,9 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
 @describer("rtn")
 def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
     gs = k if w.group_size == -1 else w.group_size
-    if (w.bits not in (4, 8) and codebook_of(w, gs) is None) or gs % 32 or w.scale.dtype not in (
+    table = codebook_of(w, gs)
+    small = gs == 16 and table is not None  # codebooks at group 16: the AVX512-BF16 rows, else the plain loop
+    if (w.bits not in (4, 8) and table is None) or (gs % 32 and not small) or w.scale.dtype not in (
             torch.bfloat16, torch.float32, torch.int8):
         return None
     if (w.scale_super is not None) != (w.scale.dtype == torch.int8) or (
@@ -49,11 +51,11 @@ def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bo
                 (w.scale_super, e * n * 2))
     keep += [w.qdata, w.scale, w.zero, w.scale_super]
     values = lut = None
-    table = codebook_of(w, gs)
-    if table is not None:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k
+    if table is not None:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k (16:
+        # AVX512-BF16 only, the AVX2 rows read 32-chunks)
         values, lut = codebook_tables(table)
         keep += [values, lut]
-        dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0)
+        dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0 or (small and native.has_dpbf16()))
     return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
                   scale_bf16=w.scale_kind, absmax_u8=0, zero=native.ptr(w.zero), bits=w.bits, gs=gs, spe=1, N=n, K=k,
                   values=native.ptr(values), lut=native.ptr(lut), scale_super=native.ptr(w.scale_super))
@@ -75,10 +77,12 @@ def codebook_of(w: RTNWeight, gs: int) -> str | None:
 
 @functools.cache
 def codebook_tables(grid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A codebook's values (fp32: 16, or 32 for ``signed5``) and, for the AVX512-BF16 kernels, as 32 bf16 words
-    (a 16-value table twice)."""
-    values = torch.tensor(grid_values("signed", 5) if grid == "signed5" else grid_values(grid), dtype=torch.float32)
-    return values, values.to(torch.bfloat16).view(torch.int16).repeat(32 // values.numel()).contiguous()
+    """A codebook's values (fp32, :func:`~moeq.formats.rtn.native_values`: 16, or 32 for ``signed5``) and, for the
+    AVX512-BF16 kernels, as 32 bf16 words (the table repeated: 16 values twice, 8 values four times)."""
+    table = grid_values("signed", 5) if grid == "signed5" else grid_values(grid)
+    values = native_values("signed", 5) if grid == "signed5" else native_values(grid, CODEBOOK_BITS.get(grid, 4))
+    lut = torch.tensor(table, dtype=torch.float32).to(torch.bfloat16).view(torch.int16)
+    return values, lut.repeat(32 // lut.numel()).contiguous()
 
 
 @describer("bnb4")

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from moeq.formats import Bnb4Weight, Int8Weight, PackedWeight, RTNWeight
 from moeq.formats.int8 import INV127
+from moeq.formats.rtn import CODEBOOKS
 from moeq.kernels.registry import by_format
 
 Q_RTN4, Q_RTN8, Q_BNB4, Q_INT8 = 0, 1, 2, 3
@@ -61,7 +62,7 @@ def kernel_layout(w: PackedWeight) -> KernelWeight | None:
 
 @layout("rtn")
 def _layout_rtn(w: RTNWeight, e: int, n: int, k: int) -> KernelWeight | None:
-    if w.bits not in (4, 8) or k % 2 or w.grid == "iq4nl":  # codebook grids: dequantize + matmul on GPU
+    if w.bits not in (4, 8) or k % 2 or w.grid in CODEBOOKS:  # codebook grids: dequantize + matmul on GPU
         return None
     gs = k if w.group_size == -1 else w.group_size
     q = w.qdata.reshape(e, n, -1)

@@ -96,6 +96,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     # gemv.c
     "moeq_has_dpbf16": (_INT, []),
     "moeq_simd_level": (_INT, []),
+    "moeq_has_cb3_dot": (_INT, []),
     "moeq_rtn_gemv": (None, [_P, _P, _P, _I, _P, _P, _INT, _P, _INT, _I, _I, _I, _P]),
     "moeq_rtn4_gemv_bf16": (None, [_P, _P, _I, _P, _P, _INT, _P, _I, _I, _I, _P, _INT]),
     "moeq_rtn8_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _P]),
@@ -200,6 +201,13 @@ def has_simd() -> bool:
     CPUs without AVX512. The native decode forwards (norms, routers, attention, heads, one-call linears) need one."""
     L = lib()
     return bool(L is not None and L.moeq_simd_level() > 0)
+
+
+@functools.cache
+def has_cb3_dot() -> bool:
+    """The 3-bit codebook rows run on AVX512-BF16 with VBMI byte permutes (else the 3-bit grids take the plain loops)."""
+    L = lib()
+    return bool(L is not None and L.moeq_has_cb3_dot())
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -154,6 +154,15 @@ int moeq_has_dpbf16(void) {  // and AVX512-VNNI (the 8-bit kernel's int16 dot pr
 
 // Which SIMD kernels the library was built with: 2 AVX512-BF16/VNNI (bf16 activations through dot products), 1 AVX2 +
 // FMA (fp32 activations; rows_avx2.h), 0 plain C.
+// The 3-bit codebook rows on AVX512-BF16 unpack their 24-bit words with VBMI byte permutes (else a scalar unpack).
+int moeq_has_cb3_dot(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int moeq_simd_level(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     return 2;
@@ -556,9 +565,9 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 }
 
 
-// y[M, N] = x @ dequant(W)^T for the 4/5-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x
-// bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 32 or a multiple of 64. lut: the values as bf16 (32 words: 16
-// values twice, or 32). Returns 0 (nothing written) without AVX512-BF16.
+// y[M, N] = x @ dequant(W)^T for the 3/4/5-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x
+// bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 16, 32 or a multiple of 64. lut: the values as bf16 (32 words: the
+// table repeated). Returns 0 (nothing written) without AVX512-BF16.
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
                        const uint16_t* sup, const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y) {
 #if defined(__AVX512BF16__)
@@ -600,7 +609,7 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
     int16_t* xq = (int16_t*)scratch;
     float* sx = scratch + m * K / 2;
     for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, bits != 8, xq + r * K, sx + r * K / 32);
-    const uint8_t* q = w->q + e * N * (bits == 8 ? K : bits == 5 ? K / 8 * 5 : K / 2);
+    const uint8_t* q = w->q + e * N * packed_row_bytes(bits, K);
     const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
     const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
@@ -634,7 +643,7 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
 // The same in fp32 for any CPU: x [M, K] in order, gs % 8 == 0 (AVX2: rows_avx2.h's row for gs % 32 == 0).
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup,
                    const float* values, i64 N, i64 K, i64 gs, int bits, float* y) {
-    const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
+    const i64 G = K / gs, rowb = packed_row_bytes(bits, K);
 #if defined(MOEQ_AVX2)
     __m128i t[2];
     float* xs = gs % 32 == 0 && cb_tables_i8(values, bits, t) ? (float*)malloc((size_t)(M * K) * sizeof(float)) : NULL;
@@ -654,17 +663,17 @@ void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, i
     for (i64 n = 0; n < N; n++)
         for (i64 m = 0; m < M; m++) {
             const float* xx = x + m * K;
-            const uint8_t* hb = q + n * rowb + K / 2;
+            const uint8_t* qn = q + n * rowb;
             float acc = 0.f;
             for (i64 g = 0; g < G; g++) {
-                const uint8_t* qq = q + n * rowb + g * gs / 2;
                 const float* xg = xx + g * gs;
                 float a = 0.f;
-                for (i64 j = 0; j < gs / 2; j++) {
-                    const i64 k0 = g * gs + 2 * j;
-                    const int h0 = bits == 5 ? ((hb[k0 >> 3] >> (k0 & 7)) & 1) << 4 : 0;
-                    const int h1 = bits == 5 ? ((hb[(k0 + 1) >> 3] >> ((k0 + 1) & 7)) & 1) << 4 : 0;
-                    a += values[(qq[j] & 15) | h0] * xg[2 * j] + values[(qq[j] >> 4) | h1] * xg[2 * j + 1];
+                if (bits == 4) {
+                    const uint8_t* qq = qn + g * gs / 2;
+                    for (i64 j = 0; j < gs / 2; j++)
+                        a += values[qq[j] & 15] * xg[2 * j] + values[qq[j] >> 4] * xg[2 * j + 1];
+                } else {
+                    for (i64 k = 0; k < gs; k++) a += values[packed_code(qn, bits, K, g * gs + k)] * xg[k];
                 }
                 acc += a * load_scale(scale, scale_bf16, n * G + g);
             }

@@ -22,12 +22,12 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
-    if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 4/5-bit codebook grid
+    if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 3/4/5-bit codebook grid
         const i64 G = K / w->gs;
         const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
-        const uint8_t* q = w->q + e * N * (w->bits == 5 ? K / 8 * 5 : K / 2);
+        const uint8_t* q = w->q + e * N * packed_row_bytes(w->bits, K);
         const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
-        if (w->dot_bf16) {  // the describer sets it only for K % 64 == 0, gs 32 or a multiple of 64
+        if (w->dot_bf16) {  // the describer sets it only for K % 64 == 0, gs 16, 32 or a multiple of 64
             uint16_t* xb = (uint16_t*)scratch;
             float* xs = scratch + m * K;
             for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 1, xb + r * K, xs + r * G);
@@ -161,7 +161,7 @@ static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, con
     for (i64 t = 0; t < A * N; t++) {
         const i64 a = t / N, n = t % N, e = act[a];
         if (w->lut) {
-            cb4_row_bf16(xb + a * 8 * K, 1, w->q + e * N * (w->bits == 5 ? K / 8 * 5 : K / 2),
+            cb4_row_bf16(xb + a * 8 * K, 1, w->q + e * N * packed_row_bytes(w->bits, K),
                          (const char*)w->scale + e * N * G * sb, w->scale_bf16, w->lut, n, K, w->gs, w->bits,
                          y + a * 8 * N + n);
             y[a * 8 * N + n] *= row_super(w->scale_super ? w->scale_super + e * N : NULL, n);
@@ -289,7 +289,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     for (i64 t = 0; t < A * I2; t++) {
         const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
         float zt[8] = {0}, o[8] = {0};
-        const uint8_t* q = w13->q + e * I2 * (w13->bits == 5 ? H / 8 * 5 : H / 2);
+        const uint8_t* q = w13->q + e * I2 * packed_row_bytes(w13->bits, H);
         const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
         const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
         const uint16_t* xa = xb + a * 8 * H;
@@ -321,7 +321,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     for (i64 t = 0; t < A * H; t++) {
         const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
         float zt[8] = {0}, o[8] = {0};
-        const uint8_t* q = w2->q + e * H * (w2->bits == 5 ? I / 8 * 5 : I / 2);
+        const uint8_t* q = w2->q + e * H * packed_row_bytes(w2->bits, I);
         const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
         const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
 #if defined(__AVX512BF16__)

@@ -4,7 +4,7 @@
 //
 // Layouts (row-major, rows = output features N, K = input features):
 //   rtn:  q uint8 [N, K/2] (4-bit, even k in the LOW nibble) or [N, K] (8-bit); scale [N, K/gs]; zero uint8|NULL;
-//         4-bit codebook grids (iq4nl): value = scale * values[code], no zero
+//         codebook grids (iq4nl 4-bit, nl3 3-bit, signed 5-bit): value = scale * values[code], no zero
 //   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
 //   int8: w int8 [N, K], scb fp32 [N]
 #ifndef MOEQ_H
@@ -58,6 +58,33 @@ static inline i64 scale_size(int kind) { return kind == 2 ? 1 : kind ? 2 : 4; }
 static inline float row_super(const uint16_t* sup, i64 n) { return sup ? bf2f(sup[n]) : 1.f; }
 
 
+// Bytes per packed row of K codes (moeq.formats.packing): 3 bits (eight codes per 24-bit little-endian word), 4 bits
+// (two per byte, even element low), 5 bits (the 4-bit plane, then the fifth bits LSB first), 8 bits.
+static inline i64 packed_row_bytes(int bits, i64 K) {
+    return bits == 3 ? K / 8 * 3 : bits == 5 ? K / 8 * 5 : bits == 8 ? K : K / 2;
+}
+
+// Code k of a packed codebook row (3, 4 or 5 bits, the layouts above).
+static inline int packed_code(const uint8_t* row, int bits, i64 K, i64 k) {
+    if (bits == 3) {
+        const uint8_t* w = row + (k >> 3) * 3;
+        const uint32_t word = (uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16;
+        return (int)((word >> (3 * (k & 7))) & 7);
+    }
+    const int c = (row[k >> 1] >> (4 * (k & 1))) & 15;
+    return bits == 5 ? c | ((row[K / 2 + (k >> 3)] >> (k & 7)) & 1) << 4 : c;
+}
+
+// Eight 3-bit codes into their 24-bit word (three bytes, low first).
+static inline void pack3_8(const uint8_t* c, uint8_t* o) {
+    uint32_t word = 0;
+    for (int i = 0; i < 8; i++) word |= (uint32_t)(c[i] & 7) << (3 * i);
+    o[0] = (uint8_t)word;
+    o[1] = (uint8_t)(word >> 8);
+    o[2] = (uint8_t)(word >> 16);
+}
+
+
 // Symmetric vLLM grid arithmetic helpers (RTN quantize) and a group of weights as fp32.
 // A group holding NaN/Inf gets a NaN scale (the caller checks the scales and names the tensor).
 static inline uint16_t f2bf_finite(float f) {  // round to nearest even; callers only pass finite values
@@ -97,8 +124,8 @@ typedef struct {
     const float* nested_code;    // bnb4 double quant: [256]
     i64 spe;                     // bnb4 slices per expert
     i64 N, K;                    // one expert's weight shape
-    const float* values;         // RTN 4-bit codebook grid: the 16 values (value = scale * values[code]) or NULL
-    const uint16_t* lut;         // ... and as bf16 twice (32 words), for the AVX512-BF16 kernels
+    const float* values;         // RTN codebook grid: its values, 16 readable (value = scale * values[code]) or NULL
+    const uint16_t* lut;         // ... and as bf16 (32 words: the table repeated), for the AVX512-BF16 kernels
     const uint16_t* scale_super; // RTN scale kind 2 (int8 codes): the bf16 row factor [E, N]
 } moeq_wstack;
 
@@ -129,6 +156,7 @@ void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void*
 // ---- exports (gemv.c) ----
 int moeq_has_dpbf16(void);
 int moeq_simd_level(void);
+int moeq_has_cb3_dot(void);
 void moeq_rtn_gemv(const float* xe, const float* xo, const float* xsum, i64 M, const uint8_t* q, const void* scale,
                    int scale_bf16, const uint8_t* zero, int bits, i64 N, i64 K, i64 gs, float* y);
 void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uint8_t* q, const void* scale,

@@ -451,12 +451,12 @@ static void cb4_index_init(cb4_index* ix, const float* mid, const float* values,
     // midpoint each, they cover every y and the bucket index needs no clamping (about a tenth of the inner loop).
     const float Y = fabsf(values[0]) * (1.f + (float)ntry / 127.f) * 1.001f + 1e-6f;
     const float wy = 2.f * Y / 32.f;
-    int wide = nv == 16 && ntry >= 0;
-    for (int j = 0; j < 14; j++) wide &= mid[j + 1] - mid[j] > 1.01f * wy;
+    int wide = nv <= 16 && ntry >= 0;
+    for (int j = 0; j < nv - 2; j++) wide &= mid[j + 1] - mid[j] > 1.01f * wy;
     wide &= fabsf(values[nv - 1]) <= fabsf(values[0]);  // the table's far end lies inside +-Y too
-    const float w = wide ? wy : (mid[14] - mid[0]) / 30.f;
-    ix->fast = nv == 16 && w > 0.f;
-    for (int j = 0; j < 14; j++) ix->fast &= mid[j + 1] - mid[j] > 1.01f * w;
+    const float w = wide ? wy : (mid[nv - 2] - mid[0]) / 30.f;
+    ix->fast = nv <= 16 && w > 0.f;
+    for (int j = 0; j < nv - 2; j++) ix->fast &= mid[j + 1] - mid[j] > 1.01f * w;
     if (!ix->fast) return;
     ix->noclamp = wide;
     ix->lo = wide ? -Y : mid[0] - 0.5f * w;
@@ -467,7 +467,7 @@ static void cb4_index_init(cb4_index* ix, const float* mid, const float* values,
         const float start = ix->lo + (float)b * w, end = start + w;
         base[b] = 0;
         bm[b] = INFINITY;
-        for (int j = 0; j < 15; j++) {
+        for (int j = 0; j < nv - 1; j++) {
             base[b] += mid[j] < start;
             if (mid[j] >= start && mid[j] < end) bm[b] = mid[j];
         }
@@ -720,7 +720,16 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                 h[m] = byte;
             }
         }
+        if (ix->nv == 8) {  // 3-bit: eight codes per 24-bit word
+            uint8_t* o = q + r * rowb + g * gs / 8 * 3;
+            for (i64 m = 0; m < gs / 8; m++) {
+                uint8_t c8[8];
+                for (int i = 0; i < 8; i++) c8[i] = codes[(8 * m + i) * 16 + l];
+                pack3_8(c8, o + 3 * m);
+            }
+        }
     }
+    if (ix->nv == 8) return;
     for (i64 j = 0; j < gs / 2; j++) {  // low nibbles: packed pairs [j][lane], then written out per lane
         const __m128i c0 = _mm_and_si128(_mm_loadu_si128((const __m128i*)(codes + 2 * j * 16)), lo4);
         const __m128i c1 = _mm_and_si128(_mm_loadu_si128((const __m128i*)(codes + (2 * j + 1) * 16)), lo4);
@@ -767,7 +776,7 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
 // gs % 16 == 0 and gs <= 4096 (the scalar form's buffers; the caller checks).
 void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, int ntry,
                      int weighting, const float* colw, uint8_t* q, uint16_t* scale) {
-    const i64 G = K / gs, NB = rows * G, rowb = nv == 32 ? K / 8 * 5 : K / 2;
+    const i64 G = K / gs, NB = rows * G, rowb = packed_row_bytes(nv == 8 ? 3 : nv == 32 ? 5 : 4, K);
     float mid[32];
     for (int j = 0; j < 32; j++) mid[j] = j < nv - 1 ? 0.5f * (values[j] + values[j + 1]) : INFINITY;
     int zi = 0;  // the code nearest zero (an all-zero or non-finite group)
@@ -825,14 +834,17 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
                 wt[k] = cb4_weight(weighting, x[k], sig[b / G]) * (colw ? colw[(b % G) * gs + k] : 1.f);
             }
             const i64 r = b / G, g = b % G;
-            uint8_t* o = q + r * rowb + g * gs / 2;
+            uint8_t* o = q + r * rowb + g * gs / 2;  // (4/5-bit; 3-bit below)
             if (bad || mx == 0.f) {
                 scale[b] = bad ? (uint16_t)0x7fc0 : 0;
                 for (i64 k = 0; k < gs; k++) codes[k] = (uint8_t)zi;
             } else {
                 cb4_search1(x, wt, gs, values, mid, nv, ntry, mx, &ds, codes, codes + gs);
             }
-            for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)((codes[2 * j] & 15) | ((codes[2 * j + 1] & 15) << 4));
+            if (nv == 8)
+                for (i64 m = 0; m < gs / 8; m++) pack3_8(codes + 8 * m, q + r * rowb + (g * gs + 8 * m) / 8 * 3);
+            else
+                for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)((codes[2 * j] & 15) | ((codes[2 * j + 1] & 15) << 4));
             if (nv == 32)
                 for (i64 m = 0; m < gs / 8; m++) {
                     uint8_t byte = 0;
@@ -854,7 +866,7 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
 // or bf16 (rounded once).
 void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
                       int bits, i64 rows, i64 K, i64 gs, void* out, int out_bf16) {
-    const i64 G = K / gs, rowb = bits == 5 ? K / 8 * 5 : K / 2;
+    const i64 G = K / gs, rowb = packed_row_bytes(bits, K);
 #pragma omp parallel for schedule(static)
     for (i64 r = 0; r < rows; r++)
         for (i64 g = 0; g < G; g++) {
@@ -863,7 +875,7 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             const uint8_t* hb = q + r * rowb + K / 2 + g * gs / 8;
             const i64 o = r * K + g * gs;
 #if defined(__AVX512BW__)
-            if (gs % 32 == 0) {  // 16 bytes -> 32 values: low nibbles are the even elements, high the odd
+            if (gs % 32 == 0 && bits != 3) {  // 16 bytes -> 32 values: low nibbles are the even elements, high the odd
                 const __m512 t0 = _mm512_loadu_ps(values), t1 = bits == 5 ? _mm512_loadu_ps(values + 16) : t0;
                 const __m512 sv = _mm512_set1_ps(s);
                 const __m512i idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
@@ -899,8 +911,7 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             }
 #endif
             for (i64 k = 0; k < gs; k++) {
-                const int c = ((qq[k / 2] >> (4 * (k & 1))) & 15) | (bits == 5 ? ((hb[k / 8] >> (k & 7)) & 1) << 4 : 0);
-                const float v = s * values[c];
+                const float v = s * values[packed_code(q + r * rowb, bits, K, g * gs + k)];
                 if (out_bf16) ((uint16_t*)out)[o + k] = f2bf(v);
                 else ((float*)out)[o + k] = v;
             }
@@ -912,7 +923,7 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
 // How the scale search's codes are re-rounded after its scales are quantized to int8 codes of a row factor.
 void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
                       const uint16_t* sup, uint8_t* q) {
-    const i64 G = K / gs, rowb = nv == 32 ? K / 8 * 5 : K / 2;
+    const i64 G = K / gs, rowb = packed_row_bytes(nv == 8 ? 3 : nv == 32 ? 5 : 4, K);
     float mid[32] = {0};
     for (int i = 0; i + 1 < nv; i++) mid[i] = 0.5f * (values[i] + values[i + 1]);
     mid[nv - 1] = INFINITY;
@@ -936,6 +947,10 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
             for (; k0 + 16 <= gs; k0 += 16) {  // 16 codes -> 8 nibble bytes (+ 2 fifth-bit bytes), written whole
                 const __m512i i = cb4_nearest16(&ix, _mm512_mul_ps(_mm512_loadu_ps(buf + k0), _mm512_set1_ps(inv)));
                 const __m128i c = _mm512_cvtepi32_epi8(i), lo = _mm_and_si128(c, _mm_set1_epi8(15));
+                if (nv == 8) {  // 3-bit: the codes first, packed per 24-bit word below
+                    _mm_storeu_si128((__m128i*)(code + k0), c);
+                    continue;
+                }
                 const __m128i pk = _mm_and_si128(_mm_or_si128(lo, _mm_srli_epi16(lo, 4)), _mm_set1_epi16(0x00FF));
                 const i64 e = g * gs + k0;
                 _mm_storel_epi64((__m128i*)(qr + e / 2), _mm_packus_epi16(pk, pk));
@@ -950,6 +965,10 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
                 int c = 0;  // binary search over the nv - 1 midpoints (nv 16 or 32)
                 for (int step = nv / 2; step >= 1; step /= 2) c += v > mid[c + step - 1] ? step : 0;
                 code[k] = (uint8_t)c;
+            }
+            if (nv == 8) {
+                for (i64 m = 0; m < gs / 8; m++) pack3_8(code + 8 * m, qr + (g * gs + 8 * m) / 8 * 3);
+                continue;
             }
             for (i64 k = k0; k < gs; k++) {
                 const int c = code[k];

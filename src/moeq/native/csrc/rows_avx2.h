@@ -69,9 +69,11 @@ static inline void x_split32(const float* x, i64 K, float* xs) {
 }
 
 // Codebooks whose values are all integers in [-128, 127] (every moeq grid) as int8 tables for vpshufb: t[0] the
-// first 16 values, t[1] the next 16 (5-bit). Returns 0 (use the plain loop) when a value does not fit.
+// first 16 values, t[1] the next 16 (5-bit). Returns 0 (use the plain loop) when a value does not fit, and for 3-bit
+// codes (their 24-bit words have no AVX2 row here: the plain loop reads them).
 static inline int cb_tables_i8(const float* values, int bits, __m128i* t) {
     int8_t b[32] = {0};
+    if (bits != 4 && bits != 5) return 0;
     for (int i = 0; i < (bits == 5 ? 32 : 16); i++) {
         const float v = values[i];
         if (!(v >= -128.f && v <= 127.f) || v != (float)(int)v) return 0;

@@ -143,10 +143,11 @@ static inline __attribute__((always_inline)) void rtn4_row_bf16(
 #undef DP_CASE
 }
 
-// 4/5-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, the signed grids as values -8..7 /
+// 3/4/5-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, nl3, the signed grids as values -8..7 /
 // -16..15), x in x_to_bf16's permuted order (K % 64 == 0). lut: 32 bf16 words — 4-bit: the 16 values twice, so vpermw
 // on a widened byte (index = its low 5 bits) needs no mask for the low nibble; 5-bit: the 32 values, the fifth bits
-// (a plane after the K/2 nibble bytes of each row, LSB first) or-ed in as bit 4 of each index. Groups of 32
+// (a plane after the K/2 nibble bytes of each row, LSB first) or-ed in as bit 4 of each index; 3-bit: the 8 values
+// four times, the codes unpacked from their 24-bit words by cb3_chunk. Groups of 16, 32 or multiples of 64. Groups of 32
 // (llama.cpp's block) or multiples of 64: in a 64-chunk of the permuted layout, lanes 0-7 of each dot product hold
 // elements 0..31 and lanes 8-15 elements 32..63, so a group-32 chunk is scaled by one vector of two broadcast halves.
 static inline uint32_t cb_pext(uint64_t h, uint64_t m) {
@@ -160,42 +161,81 @@ static inline uint32_t cb_pext(uint64_t h, uint64_t m) {
 #endif
 }
 
+// 64 3-bit codes of a 64-chunk (24 bytes: three 24-bit words) as word pairs (code 2i, code 2i+1) in *ei / *oi: each
+// qword gets its word's 3 bytes (vpermb), vpmultishiftqb moves code j of the qword to byte j — so word i holds codes
+// 2i (low byte) and 2i+1 (high byte). Without VBMI the same from a scalar unpack.
+static inline __attribute__((always_inline)) void cb3_chunk(const uint8_t* p, __m512i* ei, __m512i* oi) {
+#if defined(__AVX512VBMI__)
+    static const uint8_t spread[64] = {
+        0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 3, 3, 3, 3, 3, 6, 7, 8, 6, 6, 6, 6, 6, 9, 10, 11, 9, 9, 9, 9, 9,
+        12, 13, 14, 12, 12, 12, 12, 12, 15, 16, 17, 15, 15, 15, 15, 15, 18, 19, 20, 18, 18, 18, 18, 18,
+        21, 22, 23, 21, 21, 21, 21, 21};
+    const __m512i shifts = _mm512_set1_epi64(0x15120F0C09060300ll);  // 0, 3, ..., 21
+    const __m512i t = _mm512_permutexvar_epi8(_mm512_loadu_si512(spread), _mm512_maskz_loadu_epi8(0xFFFFFFull, p));
+    const __m512i u = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, t), _mm512_set1_epi8(7));
+    *ei = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF));
+    *oi = _mm512_srli_epi16(u, 8);
+#else
+    uint16_t e[32], o[32];
+    for (int w = 0; w < 8; w++) {
+        const uint32_t word = (uint32_t)p[3 * w] | (uint32_t)p[3 * w + 1] << 8 | (uint32_t)p[3 * w + 2] << 16;
+        for (int i = 0; i < 4; i++) {
+            e[4 * w + i] = (uint16_t)((word >> (6 * i)) & 7);
+            o[4 * w + i] = (uint16_t)((word >> (6 * i + 3)) & 7);
+        }
+    }
+    *ei = _mm512_loadu_si512(e);
+    *oi = _mm512_loadu_si512(o);
+#endif
+}
+
 static inline __attribute__((always_inline)) void cb4_rows_p64(
     const uint16_t* xb, const i64 M, const uint8_t* q, const void* scale, int scale_bf16, const __m512i lut, i64 n,
-    i64 K, i64 gs, const int five, float* out) {
+    i64 K, i64 gs, const int bits, float* out) {
     const i64 G = K / gs, C = K / 64;
-    const uint8_t* qn = q + n * (five ? K / 8 * 5 : K / 2);
+    const int five = bits == 5;
+    const uint8_t* qn = q + n * packed_row_bytes(bits, K);
     const uint8_t* hb = qn + K / 2;
     const __m512i lo4 = _mm512_set1_epi16(15), b4 = _mm512_set1_epi16(16);
     __m512 acc[8];
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    // group 32: the scales of 8 chunks (16 groups) as one fp32 vector, each chunk's pair spread by one permute
+    // groups of 32 (16): 16 scales — 8 (4) chunks' worth — as one fp32 vector, each chunk's 2 (4) spread over the
+    // lanes holding their elements (lane l: elements 4l..4l+3 of the chunk) by one permute
+    const int small = gs == 32 || gs == 16, per = gs == 16 ? 4 : 2;
     __m512 s16 = _mm512_setzero_ps();
     __m512i sidx = _mm512_setzero_si512();
-    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), two = _mm512_set1_epi32(2);
+    const __m512i idx0 = gs == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i two = _mm512_set1_epi32(per);
     for (i64 c = 0; c < C; c++) {
-        if (gs == 32 && (c & 7) == 0) {
-            const i64 g0 = n * G + 2 * c, left = G - 2 * c;
+        if (small && (c & (16 / per - 1)) == 0) {
+            const i64 g0 = n * G + per * c, left = G - per * c;
             const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
             s16 = scale_bf16 == 2 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t*)scale + g0)))
                   : scale_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t*)scale + g0)), 16))
                                : _mm512_maskz_loadu_ps(k, (const float*)scale + g0);
-            sidx = pair0;
+            sidx = idx0;
         }
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + 32 * c)));
-        __m512i ei = w, oi = _mm512_srli_epi16(w, 4);
+        __m512i ei, oi;
+        if (bits == 3) {
+            cb3_chunk(qn + 24 * c, &ei, &oi);
+        } else {
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + 32 * c)));
+            ei = w;
+            oi = _mm512_srli_epi16(w, 4);
+        }
         if (five) {
             uint64_t h;
             memcpy(&h, hb + 8 * c, 8);
-            ei = _mm512_and_si512(w, lo4);  // bit 4 is clear in both: adding 16 sets it
+            ei = _mm512_and_si512(ei, lo4);  // bit 4 is clear in both: adding 16 sets it
             ei = _mm512_mask_add_epi16(ei, (__mmask32)cb_pext(h, 0x5555555555555555ull), ei, b4);
             oi = _mm512_mask_add_epi16(oi, (__mmask32)cb_pext(h, 0xAAAAAAAAAAAAAAAAull), oi, b4);
         }
         const __m512i even = _mm512_permutexvar_epi16(ei, lut);
         const __m512i odd = _mm512_permutexvar_epi16(oi, lut);
         __m512 sv;
-        if (gs == 32) {
+        if (small) {
             sv = _mm512_permutexvar_ps(sidx, s16);
             sidx = _mm512_add_epi32(sidx, two);
         } else {
@@ -211,14 +251,15 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-// M (1..8) and the 5-bit flag compile-time constants per case; bits: 4 or 5.
+// M (1..8) and the bit width compile-time constants per case; bits: 3, 4 or 5.
 static inline __attribute__((always_inline)) void cb4_row_bf16(
     const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* lut16, i64 n,
     i64 K, i64 gs, int bits, float* out) {
     const __m512i lut = _mm512_loadu_si512(lut16);
 #define CB_CASE(c) case c: \
-    if (bits == 5) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 1, out); \
-    else cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 0, out); \
+    if (bits == 5) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 5, out); \
+    else if (bits == 3) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 3, out); \
+    else cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 4, out); \
     break;
     switch (M) { CB_CASE(1) CB_CASE(2) CB_CASE(3) CB_CASE(4) CB_CASE(5) CB_CASE(6) CB_CASE(7) CB_CASE(8) }
 #undef CB_CASE
