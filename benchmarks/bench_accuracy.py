@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 import llamacpp  # noqa: E402
 
 LLAMACPP_TYPES = ["Q4_0", "Q4_0:pure", "IQ4_NL", "IQ4_NL:pure", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q3_K_S",
-                  "IQ3_S", "Q5_0", "Q5_0:pure", "Q6_K", "Q8_0"]
+                  "Q3_K_S:pure", "IQ3_S", "Q5_0", "Q5_0:pure", "Q6_K", "Q8_0"]
 
 
 IQ4R = RTN(4, 32, grid="iq4nl", search=7, weighting="row")
@@ -91,7 +91,9 @@ def methods() -> dict[str, QuantConfig]:
         "iq4nl, attention q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80}),
         "iq4nl, attention + down q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80, "*.experts.w2": Q80}),
         **{f"moeq {n}": n for n in ("q4_0-opt", "q4_0-m", "iq4nl", "iq4nl-dq", "iq4nl-m", "iq4nl-l", "q8_0", "nf4-opt", "q5_0",
-                                    "q5_0-opt", "q5_0-m")},
+                                    "q5_0-opt", "q5_0-m", "nl3", "nl3-s", "nl3-m")},
+        "nl3 g32 (3.25 + 16/K bits)": RTN(3, 32, grid="nl3", search=7, weighting="row", double_quant=True),
+        "ablation: nl3, llama.cpp's x^2 weights": RTN(3, 16, grid="nl3", search=7, weighting="x2", double_quant=True),
         "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
     }
     return {k: QuantConfig.of(v) for k, v in m.items()}

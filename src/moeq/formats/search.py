@@ -164,7 +164,7 @@ def codebook_search(rows: torch.Tensor, gs: int, values: torch.Tensor, ntry: int
     v0 = float(values[0])
     for s in (1.0, -1.0):
         for t in range(-ntry, ntry + 1):
-            id_ = s * v0 * (1.0 - t / 127.0) / safe_mx
+            id_ = torch.tensor(s * v0 * (1.0 - t / 127.0), dtype=torch.float32) * (1.0 / safe_mx)
             q = codes(id_)
             v = values[q]
             sqx, sq2 = (wt * v * g).sum(-1, keepdim=True), (wt * v * v).sum(-1, keepdim=True)

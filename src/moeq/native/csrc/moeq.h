@@ -16,7 +16,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__BMI2__)
 #include <immintrin.h>
 #endif
 
@@ -75,10 +75,22 @@ static inline int packed_code(const uint8_t* row, int bits, i64 K, i64 k) {
     return bits == 5 ? c | ((row[K / 2 + (k >> 3)] >> (k & 7)) & 1) << 4 : c;
 }
 
+// Eight 3-bit codes (byte i of c8 = code i, little-endian) as their 24-bit word: one pext with BMI2.
+static inline uint32_t pack3_word(uint64_t c8) {
+#if defined(__BMI2__)
+    return (uint32_t)_pext_u64(c8, 0x0707070707070707ull);
+#else
+    uint32_t word = 0;
+    for (int i = 0; i < 8; i++) word |= (uint32_t)((c8 >> (8 * i)) & 7) << (3 * i);
+    return word;
+#endif
+}
+
 // Eight 3-bit codes into their 24-bit word (three bytes, low first).
 static inline void pack3_8(const uint8_t* c, uint8_t* o) {
-    uint32_t word = 0;
-    for (int i = 0; i < 8; i++) word |= (uint32_t)(c[i] & 7) << (3 * i);
+    uint64_t c8;
+    memcpy(&c8, c, 8);
+    const uint32_t word = pack3_word(c8);
     o[0] = (uint8_t)word;
     o[1] = (uint8_t)(word >> 8);
     o[2] = (uint8_t)(word >> 16);

@@ -607,6 +607,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     }
     const __mmask16 live = _mm512_cmp_ps_mask(mxv, zero, _CMP_NEQ_OQ);
     const __m512 safe = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), mxv);
+    const __m512 inv_mx = _mm512_maskz_div_ps(live, _mm512_set1_ps(1.f), safe);  // candidates: c * (1 / max)
     __m512 best = _mm512_set1_ps(-1.f), d = zero, bid = zero;
     // the tables in registers, the loop over k unrolled by two with separate accumulators (latency-bound otherwise)
     const __m512 inv_w = _mm512_set1_ps(ix->inv_w), off = _mm512_set1_ps(-ix->lo * ix->inv_w);
@@ -633,7 +634,7 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     } while (0)
     for (int s = 1; s >= -1; s -= 2)
         for (int t = -ntry; t <= ntry; t++) {
-            const __m512 idv = _mm512_maskz_div_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), safe);
+            const __m512 idv = _mm512_maskz_mul_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), inv_mx);
             __m512 a0 = zero, b0v = zero, a1 = zero, b1v = zero;
             const __m512 idw = _mm512_mul_ps(idv, inv_w);
             i64 k = 0;
@@ -675,20 +676,19 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
         }
 #undef CB4_FAST
 #undef CB4_ACC
-    float dl[16], bl[16], idl[16], ds[16], mx[16];
-    _mm512_storeu_ps(dl, d);
-    _mm512_storeu_ps(bl, best);
-    _mm512_storeu_ps(idl, bid);
-    _mm512_storeu_ps(mx, mxv);
-    for (int l = 0; l < 16; l++) {
-        if (bl[l] < 0.f) {  // every weight 0 (x^2 underflowed) or an all-zero group: plain max mapping
-            dl[l] = mx[l] / values[0];
-            idl[l] = dl[l] != 0.f ? 1.f / dl[l] : 0.f;
-        }
-        ds[l] = cb4_store_scale(dl[l]);
-    }
+    // lanes without a winner (every weight 0: x^2 underflowed, or an all-zero group): plain max mapping
+    const __mmask16 none = _mm512_cmp_ps_mask(best, zero, _CMP_LT_OQ);
+    const __m512 dn = _mm512_div_ps(mxv, _mm512_set1_ps(values[0]));
+    d = _mm512_mask_mov_ps(d, none, dn);
+    bid = _mm512_mask_mov_ps(bid, none, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dn, zero, _CMP_NEQ_OQ),
+                                                            _mm512_set1_ps(1.f), dn));
+    // cb4_store_scale for 16 lanes: bf16 rounding (finite), then fp16's (vcvtps2ph: nearest even, overflow inf)
+    const __m512 db = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32_to_bf16x16(d)), 16));
+    const __m512 dsv = _mm512_cvtph_ps(_mm512_cvtps_ph(db, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    float ds[16];
+    _mm512_storeu_ps(ds, dsv);
     // the codes at the winning candidate vs re-rounded to the stored scale: the lower weighted error per lane
-    const __m512 dsv = _mm512_loadu_ps(ds), id1 = _mm512_loadu_ps(idl);
+    const __m512 id1 = bid;
     const __m512 id2 = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dsv, zero, _CMP_NEQ_OQ), _mm512_set1_ps(1.f), dsv);
     __m512 e1 = zero, e2 = zero;
     for (i64 k = 0; k < gs; k++) {
@@ -720,16 +720,25 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                 h[m] = byte;
             }
         }
-        if (ix->nv == 8) {  // 3-bit: eight codes per 24-bit word
-            uint8_t* o = q + r * rowb + g * gs / 8 * 3;
-            for (i64 m = 0; m < gs / 8; m++) {
-                uint8_t c8[8];
-                for (int i = 0; i < 8; i++) c8[i] = codes[(8 * m + i) * 16 + l];
-                pack3_8(c8, o + 3 * m);
+    }
+    if (ix->nv == 8) {  // 3-bit: eight codes per 24-bit word, the 16 lanes' words at once
+        for (i64 m = 0; m < gs / 8; m++) {
+            __m512i wv = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++)
+                wv = _mm512_or_si512(wv, _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    (const __m128i*)(codes + (8 * m + i) * 16))), _mm_cvtsi32_si128(3 * i)));
+            uint32_t words[16];
+            _mm512_storeu_si512(words, wv);
+            for (int l = 0; l < nl; l++) {
+                const i64 b = b0 + l;
+                uint8_t* o = q + (b / G) * rowb + (b % G) * gs / 8 * 3 + 3 * m;
+                o[0] = (uint8_t)words[l];
+                o[1] = (uint8_t)(words[l] >> 8);
+                o[2] = (uint8_t)(words[l] >> 16);
             }
         }
+        return;
     }
-    if (ix->nv == 8) return;
     for (i64 j = 0; j < gs / 2; j++) {  // low nibbles: packed pairs [j][lane], then written out per lane
         const __m128i c0 = _mm_and_si128(_mm_loadu_si128((const __m128i*)(codes + 2 * j * 16)), lo4);
         const __m128i c1 = _mm_and_si128(_mm_loadu_si128((const __m128i*)(codes + (2 * j + 1) * 16)), lo4);
@@ -748,7 +757,7 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
     float best = -1.f, d = 0.f, sqx, sq2;
     for (int s = 1; s >= -1; s -= 2)
         for (int t = -ntry; t <= ntry; t++) {
-            const float id = mx != 0.f ? (float)s * values[0] * (1.f - (float)t / 127.f) / mx : 0.f;
+            const float id = mx != 0.f ? (float)s * values[0] * (1.f - (float)t / 127.f) * (1.f / mx) : 0.f;
             cb4_sums(x, wt, gs, values, mid, nv, id, &sqx, &sq2, L);
             if (sq2 > 0.f && sqx * sqx > best * sq2) {
                 d = sqx / sq2;
@@ -767,7 +776,7 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
 }
 #endif
 
-// Per group: the scale minimizing sum w (x - d v[L])^2 over candidate inverse scales id = s v0 (1 - t/127) / max,
+// Per group: the scale minimizing sum w (x - d v[L])^2 over candidate inverse scales id = s v0 (1 - t/127) (1 / max),
 // s = +-1, t = -ntry..ntry (llama.cpp's quantize_row_iq4_nl_impl search, over both signs), d refit by least squares
 // per candidate; the winner's d rounded to a value exact in both bf16 and fp16 (stored bf16, exported fp16), then its
 // codes re-rounded to that d when that lowers the weighted error. Weights: 0 uniform, 1 x^2 (llama.cpp without an
@@ -947,8 +956,11 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
             for (; k0 + 16 <= gs; k0 += 16) {  // 16 codes -> 8 nibble bytes (+ 2 fifth-bit bytes), written whole
                 const __m512i i = cb4_nearest16(&ix, _mm512_mul_ps(_mm512_loadu_ps(buf + k0), _mm512_set1_ps(inv)));
                 const __m128i c = _mm512_cvtepi32_epi8(i), lo = _mm_and_si128(c, _mm_set1_epi8(15));
-                if (nv == 8) {  // 3-bit: the codes first, packed per 24-bit word below
-                    _mm_storeu_si128((__m128i*)(code + k0), c);
+                if (nv == 8) {  // 3-bit: 16 codes -> two 24-bit words, written whole (6 bytes)
+                    uint64_t c8[2];
+                    _mm_storeu_si128((__m128i*)c8, c);
+                    const uint64_t two = pack3_word(c8[0]) | (uint64_t)pack3_word(c8[1]) << 24;
+                    memcpy(qr + (g * gs + k0) / 8 * 3, &two, 6);
                     continue;
                 }
                 const __m128i pk = _mm_and_si128(_mm_or_si128(lo, _mm_srli_epi16(lo, 4)), _mm_set1_epi16(0x00FF));
@@ -966,8 +978,8 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
                 for (int step = nv / 2; step >= 1; step /= 2) c += v > mid[c + step - 1] ? step : 0;
                 code[k] = (uint8_t)c;
             }
-            if (nv == 8) {
-                for (i64 m = 0; m < gs / 8; m++) pack3_8(code + 8 * m, qr + (g * gs + 8 * m) / 8 * 3);
+            if (nv == 8) {  // (the AVX512 loop packed 0..k0 already)
+                for (i64 m = k0 / 8; m < gs / 8; m++) pack3_8(code + 8 * m, qr + (g * gs + 8 * m) / 8 * 3);
                 continue;
             }
             for (i64 k = k0; k < gs; k++) {
