@@ -92,8 +92,9 @@ def methods() -> dict[str, QuantConfig]:
         "iq4nl, attention + down q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80, "*.experts.w2": Q80}),
         **{f"moeq {n}": n for n in ("q4_0-opt", "q4_0-m", "iq4nl", "iq4nl-dq", "iq4nl-m", "iq4nl-l", "q8_0", "nf4-opt", "q5_0",
                                     "q5_0-opt", "q5_0-m", "nl3", "nl3-s", "nl3-m")},
-        "nl3 g32 (3.25 + 16/K bits)": RTN(3, 32, grid="nl3", search=7, weighting="row", double_quant=True),
-        "ablation: nl3, llama.cpp's x^2 weights": RTN(3, 16, grid="nl3", search=7, weighting="x2", double_quant=True),
+        "nl3 g32 (3.25 + 16/K bits)": RTN(3, 32, grid="nl3", search=7, weighting="x2", double_quant=True),
+        "ablation: nl3, row weights (sigma^2 + x^2)": RTN(3, 16, grid="nl3", search=7, weighting="row",
+                                                          double_quant=True),
         "artefact: RTN-int4 asym g32 (source grid)": RTN(4, 32, False),
     }
     return {k: QuantConfig.of(v) for k, v in m.items()}

@@ -31,6 +31,8 @@ def _presets(group_size: int = 128):
         "moeq nf4": moeq.QuantConfig(moeq.NF4(), rules={"lm_head": moeq.RTN(8, gs)}),
         "moeq q4_0": moeq.QuantConfig(moeq.config.method("q4_0"), rules={"lm_head": moeq.RTN(8, gs)}),
         "moeq iq4nl": moeq.QuantConfig(moeq.config.method("iq4nl"), rules={"lm_head": moeq.RTN(8, gs)}),
+        "moeq iq4nl-dq": moeq.QuantConfig(moeq.config.method("iq4nl-dq"), rules={"lm_head": moeq.RTN(8, gs)}),
+        "moeq nl3": moeq.QuantConfig(moeq.config.method("nl3"), rules={"lm_head": moeq.RTN(8, gs)}),
     }
 
 

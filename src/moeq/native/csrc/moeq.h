@@ -86,6 +86,17 @@ static inline uint32_t pack3_word(uint64_t c8) {
 #endif
 }
 
+// The inverse: a 24-bit word's eight codes as bytes (byte i = code i, little-endian).
+static inline uint64_t unpack3_word(uint32_t word) {
+#if defined(__BMI2__)
+    return _pdep_u64(word, 0x0707070707070707ull);
+#else
+    uint64_t c8 = 0;
+    for (int i = 0; i < 8; i++) c8 |= (uint64_t)((word >> (3 * i)) & 7) << (8 * i);
+    return c8;
+#endif
+}
+
 // Eight 3-bit codes into their 24-bit word (three bytes, low first).
 static inline void pack3_8(const uint8_t* c, uint8_t* o) {
     uint64_t c8;

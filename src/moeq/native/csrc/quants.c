@@ -884,7 +884,21 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             const uint8_t* hb = q + r * rowb + K / 2 + g * gs / 8;
             const i64 o = r * K + g * gs;
 #if defined(__AVX512BW__)
-            if (gs % 32 == 0 && bits != 3) {  // 16 bytes -> 32 values: low nibbles are the even elements, high the odd
+            if (bits == 3) {  // 6 bytes (two 24-bit words) -> 16 values; gs % 16 == 0
+                const __m512 t0 = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
+                const uint8_t* q3 = q + r * rowb + g * gs / 8 * 3;
+                for (i64 j = 0; j < gs; j += 16) {
+                    uint64_t six = 0;
+                    memcpy(&six, q3 + j / 8 * 3, 6);
+                    const __m128i c = _mm_set_epi64x((long long)unpack3_word((uint32_t)(six >> 24)),
+                                                     (long long)unpack3_word((uint32_t)(six & 0xFFFFFFu)));
+                    const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), t0), sv);
+                    if (out_bf16) _mm256_storeu_si256((__m256i*)((uint16_t*)out + o + j), f32_to_bf16x16(v));
+                    else _mm512_storeu_ps((float*)out + o + j, v);
+                }
+                continue;
+            }
+            if (gs % 32 == 0) {  // 16 bytes -> 32 values: low nibbles are the even elements, high the odd
                 const __m512 t0 = _mm512_loadu_ps(values), t1 = bits == 5 ? _mm512_loadu_ps(values + 16) : t0;
                 const __m512 sv = _mm512_set1_ps(s);
                 const __m512i idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
