@@ -46,7 +46,7 @@ def main():
         pass
     for cfg in (RTN(4, 128), RTN(4, 128, symmetric=False), RTN(8, 128), BNB4("nf4", 64, True), BNB4("fp4", 64, True),
                 Int8(), *(method(n) for n in ("q4_0", "q8_0", "q4_0-opt", "iq4nl", "iq4nl-dq", "q5_0", "q5_0-opt",
-                                               "nf4-opt"))):
+                                               "nf4-opt", "nl3"))):
         tq, q = timed(lambda: cfg.quantize(w), 1)
         td, _ = timed(lambda: q.dequantize(torch.bfloat16))
         r = {"format": cfg.label(), "quantize_gbps": gb / tq, "dequantize_gbps": gb / td, "seconds": tq,

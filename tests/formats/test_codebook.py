@@ -258,3 +258,8 @@ def test_nl3_three_bit_codebook(dtype):
     with pytest.raises(MoeqError, match="4-bit codebook"):
         RTN(3, 16, grid="iq4nl")
     assert dataclasses.replace(q, bits=4).problems()  # stored 3-bit codes claimed as 4-bit
+    nan = full.scale.clone()
+    nan[5, 2] = float("nan")  # the search's mark of a group it could not fit (x^2 overflowed)
+    for native_ok in (True, False):  # both forms carry it into the row factor, so validation refuses the weight
+        d = rtn._double_quant(dataclasses.replace(full, scale=nan), w, native_ok=native_ok)
+        assert d.scale_super[5].isnan() and not d.scale_super[:5].isnan().any() and d.problems()

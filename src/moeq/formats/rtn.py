@@ -441,28 +441,33 @@ def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, 
 
 def _double_quant(q: RTNWeight, w: torch.Tensor, native_ok: bool = True) -> RTNWeight:
     """``q``'s group scales as int8 codes of one bf16 factor per row (the row's largest |scale| / 127), and its codes
-    re-rounded to the nearest table value at those scales: natively (``moeq_cb4_requant``) or in plain torch."""
+    re-rounded to the nearest table value at those scales: natively (``moeq_cb4_scale_codes``, ``moeq_cb4_requant``)
+    or in plain torch (the twin)."""
     from moeq import native  # noqa: PLC0415
 
     k, gs = q.shape[-1], q.group_size if q.group_size != -1 else q.shape[-1]
-    s = q.scale.float().reshape(-1, k // gs)
-    sup = (s.abs().amax(-1) / 127).to(torch.bfloat16)
-    f = sup.float().unsqueeze(-1)
-    codes = torch.where(f > 0, s / torch.where(f > 0, f, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
+    rows, ng = q.numel // k, k // gs
     values = torch.tensor(grid_values(q.grid, q.bits), dtype=torch.float32)
-    rows = s.shape[0]
     wc = w.contiguous()
     L = native.lib() if w.device.type == "cpu" and native_ok else None
     qdata = torch.empty(rows, packed_size(k, q.bits), dtype=torch.uint8)
     if L is not None and wc.dtype in (torch.bfloat16, torch.float32) and native.usable(wc) and gs <= 4096:
+        s16 = q.scale.reshape(rows, ng).to(torch.bfloat16).contiguous()  # the search's scales: exact in bf16
+        codes = torch.empty(rows, ng, dtype=torch.int8)
+        sup = torch.empty(rows, dtype=torch.bfloat16)
+        L.moeq_cb4_scale_codes(native.ptr(s16), native.i64(rows), native.i64(ng), native.ptr(codes), native.ptr(sup))
         padded = native_values(q.grid, q.bits)  # held for the call
         L.moeq_cb4_requant(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k),
                            native.i64(gs), native.ptr(padded), values.numel(), native.ptr(codes), native.ptr(sup),
                            native.ptr(qdata))
     else:
+        s = q.scale.float().reshape(rows, ng)
+        sup = (s.abs().amax(-1) / 127).to(torch.bfloat16)
+        f = sup.float().unsqueeze(-1)
+        codes = torch.where(f > 0, s / torch.where(f > 0, f, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
         mid = (values[1:] + values[:-1]) / 2
         scale = (codes.float() * f).unsqueeze(-1)  # [rows, G, 1]
-        x = wc.reshape(rows, k // gs, gs).float().cpu()
+        x = wc.reshape(rows, ng, gs).float().cpu()
         inv = torch.where(scale != 0, 1.0 / torch.where(scale != 0, scale, 1.0), 0.0)
         qdata = pack(torch.bucketize(x * inv, mid).to(torch.uint8).flatten(-2), q.bits)
     lead = q.shape[:-1]

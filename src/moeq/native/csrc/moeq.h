@@ -173,6 +173,7 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
                      int weighting, const float* colw, uint8_t* q, uint16_t* scale);
 void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
                       int bits, i64 rows, i64 K, i64 gs, void* out, int out_bf16);
+void moeq_cb4_scale_codes(const uint16_t* scale, i64 rows, i64 G, int8_t* sc, uint16_t* sup);
 void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
                       const uint16_t* sup, uint8_t* q);
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);

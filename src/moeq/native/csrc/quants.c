@@ -563,13 +563,15 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
     __m512 amax = zero;
     __mmask16 bad = 0;
+    __m512i pair = _mm512_setzero_si512();
     for (i64 k = 0; k < gs; k++) {
         __m512 x;
-        if (bf16) {  // 32-bit gathers of aligned element pairs (never past the tensor), the wanted half shifted up
-            const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in,
-                _mm512_add_epi32(lane, _mm512_set1_epi32((int)(k & ~(i64)1))), (const uint16_t*)w + b0 * gs, 2);
-            x = _mm512_castsi512_ps(k & 1 ? _mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u))
-                                          : _mm512_slli_epi32(h, 16));
+        if (bf16) {  // 32-bit gathers of aligned element pairs (never past the tensor), one per pair, split in two
+            if (!(k & 1))
+                pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in,
+                    _mm512_add_epi32(lane, _mm512_set1_epi32((int)k)), (const uint16_t*)w + b0 * gs, 2);
+            x = _mm512_castsi512_ps(k & 1 ? _mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u))
+                                          : _mm512_slli_epi32(pair, 16));
         } else {
             x = _mm512_mask_i32gather_ps(zero, in, _mm512_add_epi32(lane, _mm512_set1_epi32((int)k)),
                                          (const float*)w + b0 * gs, 4);
@@ -615,8 +617,9 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     const __m512i base0 = ix->base0, base1 = ix->base1, one = _mm512_set1_epi32(1), b31 = _mm512_set1_epi32(31);
     const __m512i z0 = _mm512_setzero_si512();
     const int clamp = !ix->noclamp;
-#define CB4_FAST(x, out, clamp) do { /* in bucket units: u = (x id - lo) / w, one FMA */ \
-        const __m512 u_ = _mm512_fmadd_ps((x), idw, off); \
+#define CB4_FAST(x, out, clamp) CB4_FAST2(x, idw, out, clamp)
+#define CB4_FAST2(x, idw_, out, clamp) do { /* in bucket units: u = (x id - lo) / w, one FMA */ \
+        const __m512 u_ = _mm512_fmadd_ps((x), (idw_), off); \
         __m512i bk_ = _mm512_cvttps_epi32(u_); \
         if (clamp) bk_ = _mm512_min_epi32(_mm512_max_epi32(bk_, z0), b31); \
         const __m512i i_ = _mm512_permutex2var_epi32(base0, bk_, base1); \
@@ -632,9 +635,52 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
         a1 = _mm512_fmadd_ps(w1, x1, a1); \
         b1v = _mm512_fmadd_ps(w1, v1, b1v); \
     } while (0)
-    for (int s = 1; s >= -1; s -= 2)
-        for (int t = -ntry; t <= ntry; t++) {
-            const __m512 idv = _mm512_maskz_mul_ps(live, _mm512_set1_ps((float)s * values[0] * (1.f - (float)t / 127.f)), inv_mx);
+#define CB4_ID(c) _mm512_maskz_mul_ps(live, _mm512_set1_ps((float)((c) < T ? 1 : -1) * values[0] * \
+                                                  (1.f - (float)((c) % T - ntry) / 127.f)), inv_mx)
+#define CB4_WIN(a, b, idv) do { \
+        const __mmask16 up_ = _mm512_cmp_ps_mask(b, zero, _CMP_GT_OQ) & \
+                              _mm512_cmp_ps_mask(_mm512_mul_ps(a, a), _mm512_mul_ps(best, b), _CMP_GT_OQ); \
+        d = _mm512_mask_div_ps(d, up_, a, b); \
+        best = _mm512_mask_mul_ps(best, up_, d, a); \
+        bid = _mm512_mask_mov_ps(bid, up_, idv); \
+    } while (0)
+    // candidates c = 0..2T-1: s = +1 then -1, t = -ntry..ntry (id = s v0 (1 - t/127) / max)
+    const int T = 2 * ntry + 1;
+    int c = 0;
+    if (ix->fast && !ix->uniform && gs % 2 == 0)  // two candidates per pass over the group: x and w loaded once
+        for (; c + 2 <= 2 * T; c += 2) {
+            const __m512 idA = CB4_ID(c), idB = CB4_ID(c + 1);
+            const __m512 idwA = _mm512_mul_ps(idA, inv_w), idwB = _mm512_mul_ps(idB, inv_w);
+            __m512 a0 = zero, b0v = zero, a1 = zero, b1v = zero, e0 = zero, f0 = zero, e1 = zero, f1 = zero;
+            for (i64 k = 0; k < gs; k += 2) {  // per candidate the same sums, in the same order, as the loop below
+                const __m512 x0 = _mm512_loadu_ps(xt + k * 16), x1 = _mm512_loadu_ps(xt + k * 16 + 16);
+                const __m512 w0 = _mm512_loadu_ps(wt + k * 16), w1 = _mm512_loadu_ps(wt + k * 16 + 16);
+                __m512i iA0, iA1, iB0, iB1;
+                CB4_FAST2(x0, idwA, iA0, clamp);
+                CB4_FAST2(x1, idwA, iA1, clamp);
+                CB4_FAST2(x0, idwB, iB0, clamp);
+                CB4_FAST2(x1, idwB, iB1, clamp);
+                const __m512 vA0 = _mm512_permutexvar_ps(iA0, ix->tab0), vA1 = _mm512_permutexvar_ps(iA1, ix->tab0);
+                const __m512 vB0 = _mm512_permutexvar_ps(iB0, ix->tab0), vB1 = _mm512_permutexvar_ps(iB1, ix->tab0);
+                const __m512 wA0 = _mm512_mul_ps(w0, vA0), wA1 = _mm512_mul_ps(w1, vA1);
+                const __m512 wB0 = _mm512_mul_ps(w0, vB0), wB1 = _mm512_mul_ps(w1, vB1);
+                a0 = _mm512_fmadd_ps(wA0, x0, a0);
+                b0v = _mm512_fmadd_ps(wA0, vA0, b0v);
+                a1 = _mm512_fmadd_ps(wA1, x1, a1);
+                b1v = _mm512_fmadd_ps(wA1, vA1, b1v);
+                e0 = _mm512_fmadd_ps(wB0, x0, e0);
+                f0 = _mm512_fmadd_ps(wB0, vB0, f0);
+                e1 = _mm512_fmadd_ps(wB1, x1, e1);
+                f1 = _mm512_fmadd_ps(wB1, vB1, f1);
+            }
+            const __m512 aA = _mm512_add_ps(a0, a1), bA = _mm512_add_ps(b0v, b1v);
+            const __m512 aB = _mm512_add_ps(e0, e1), bB = _mm512_add_ps(f0, f1);
+            CB4_WIN(aA, bA, idA);
+            CB4_WIN(aB, bB, idB);
+        }
+    for (; c < 2 * T; c++) {
+        {
+            const __m512 idv = CB4_ID(c);
             __m512 a0 = zero, b0v = zero, a1 = zero, b1v = zero;
             const __m512 idw = _mm512_mul_ps(idv, inv_w);
             i64 k = 0;
@@ -668,14 +714,14 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
                 b0v = _mm512_fmadd_ps(wv, v, b0v);
             }
             const __m512 a = _mm512_add_ps(a0, a1), b = _mm512_add_ps(b0v, b1v);
-            const __mmask16 up = _mm512_cmp_ps_mask(b, zero, _CMP_GT_OQ) &
-                                 _mm512_cmp_ps_mask(_mm512_mul_ps(a, a), _mm512_mul_ps(best, b), _CMP_GT_OQ);
-            d = _mm512_mask_div_ps(d, up, a, b);
-            best = _mm512_mask_mul_ps(best, up, d, a);
-            bid = _mm512_mask_mov_ps(bid, up, idv);
+            CB4_WIN(a, b, idv);
         }
+    }
 #undef CB4_FAST
+#undef CB4_FAST2
 #undef CB4_ACC
+#undef CB4_ID
+#undef CB4_WIN
     // lanes without a winner (every weight 0: x^2 underflowed, or an all-zero group): plain max mapping
     const __mmask16 none = _mm512_cmp_ps_mask(best, zero, _CMP_LT_OQ);
     const __m512 dn = _mm512_div_ps(mxv, _mm512_set1_ps(values[0]));
@@ -939,6 +985,36 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                 else ((float*)out)[o + k] = v;
             }
         }
+}
+
+// Double quantization of the search's bf16 group scales [rows, G]: per row the factor sup = bf16(max |s| / 127) and
+// each scale's int8 code round(s / sup) (nearest even, clamped to +-127; 0 when sup is 0). A row holding a
+// non-finite scale (the search's mark of a group it could not fit) gets a NaN factor and codes 0, so the result
+// fails validation as the torch twin's does (its amax propagates NaN). The twin of rtn._double_quant's torch lines.
+void moeq_cb4_scale_codes(const uint16_t* scale, i64 rows, i64 G, int8_t* sc, uint16_t* sup) {
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++) {
+        float amax = 0.f;
+        int bad = 0;
+        for (i64 g = 0; g < G; g++) {
+            const float a = fabsf(bf2f(scale[r * G + g]));
+            bad |= !(a <= 3.402823466e38f);
+            amax = a > amax ? a : amax;
+        }
+        if (bad) {
+            sup[r] = 0x7fc0;
+            memset(sc + r * G, 0, (size_t)G);
+            continue;
+        }
+        const uint16_t h = f2bf(amax / 127.f);
+        const float f = bf2f(h);
+        sup[r] = h;
+        for (i64 g = 0; g < G; g++) {
+            float c = f > 0.f ? rintf(bf2f(scale[r * G + g]) / f) : 0.f;
+            c = c > 127.f ? 127.f : c < -127.f ? -127.f : c;
+            sc[r * G + g] = (int8_t)c;
+        }
+    }
 }
 
 // Codes for given double-quantized scales (scale = sc[r, g] * sup[r], a codebook of nv sorted values): each weight
