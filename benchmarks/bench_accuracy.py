@@ -231,9 +231,11 @@ def main():
     for k, r in res.items():
         rows[k].update(r.to_dict())
     if args.merge and Path(args.out).exists():
-        old = {r["method"]: r for r in json.loads(Path(args.out).read_text())["rows"]}
+        prev = json.loads(Path(args.out).read_text())
+        old = {r["method"]: r for r in prev["rows"]}
         old.update(rows)
         rows = old
+        lc_info = lc_info or prev.get("llamacpp", {})  # no llama.cpp rows this run: keep what the file says of them
     base = rows.get("vLLM RTN-int4 sym g192")
     for r in rows.values():
         if base:
