@@ -52,10 +52,11 @@ def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bo
     keep += [w.qdata, w.scale, w.zero, w.scale_super]
     values = lut = None
     if table is not None:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k (16:
-        # AVX512-BF16 only, the AVX2 rows read 32-chunks)
+        # AVX512-BF16, and on AVX2 the 3-bit rows; the other AVX2 rows scale whole 32-chunks)
         values, lut = codebook_tables(table)
         keep += [values, lut]
-        dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0 or (small and native.has_dpbf16()))
+        dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0 or (small and (
+            native.has_dpbf16() or w.bits == 3)))  # AVX2: its 3-bit rows take group 16
     return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
                   scale_bf16=w.scale_kind, absmax_u8=0, zero=native.ptr(w.zero), bits=w.bits, gs=gs, spe=1, N=n, K=k,
                   values=native.ptr(values), lut=native.ptr(lut), scale_super=native.ptr(w.scale_super))

@@ -595,20 +595,25 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 #endif
 }
 
-// AVX2 builds, bf16 models: y[m, N] = x[m, K] @ W[e]^T for RTN 4/8-bit and the 4/5-bit codebook grids through
-// rows_avx2.h's int16-activation rows (gs % 32 == 0). scratch: m*K/2 + m*K/32 + 16 floats. Returns 0 (nothing
+// AVX2 builds, bf16 models: y[m, N] = x[m, K] @ W[e]^T for RTN 4/8-bit and the 3/4/5-bit codebook grids through
+// rows_avx2.h's int16-activation rows (gs % 32 == 0; 3-bit: gs % 16 == 0). scratch: m*K/2 + m*K/32 + 16 floats. Returns 0 (nothing
 // written) outside that domain or on other builds.
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
 #if defined(MOEQ_AVX2)
     const i64 N = w->N, K = w->K, G = K / w->gs;
     const int bits = w->bits, cb = w->values != NULL;
     __m128i t[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
-    if (w->fmt != MOEQ_FMT_RTN || w->gs % 32 || K % 32 || !(cb ? bits == 4 || bits == 5 : bits == 4 || bits == 8) ||
-        (cb && (w->zero || !cb_tables_i8(w->values, bits, t))))
+    __m256i t3 = _mm256_setzero_si256();
+    if (w->fmt == MOEQ_FMT_RTN && cb && bits == 3) {  // nl3: groups of 16, x in order
+        if (w->gs % 16 || K % 32 || w->zero || !cb3_table_i8(w->values, &t3)) return 0;
+    } else if (w->fmt != MOEQ_FMT_RTN || w->gs % 32 || K % 32 ||
+               !(cb ? bits == 4 || bits == 5 : bits == 4 || bits == 8) ||
+               (cb && (w->zero || !cb_tables_i8(w->values, bits, t)))) {
         return 0;
+    }
     int16_t* xq = (int16_t*)scratch;
     float* sx = scratch + m * K / 2;
-    for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, bits != 8, xq + r * K, sx + r * K / 32);
+    for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, bits != 8 && bits != 3, xq + r * K, sx + r * K / 32);
     const uint8_t* q = w->q + e * N * packed_row_bytes(bits, K);
     const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
@@ -628,7 +633,23 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
             }                                                                                                 \
             for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);                      \
         }
-    if (cb && bits == 5) { ROWS(5, 1) }
+    if (cb && bits == 3) {
+        _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)
+            for (i64 r0 = 0; r0 < m; r0 += 4) {
+                const i64 mc = m - r0 < 4 ? m - r0 : 4;
+                float o[4];
+                const int16_t* xr = xq + r0 * K;
+                const float* sr = sx + r0 * K / 32;
+                switch (mc) {
+                    case 1: cb3_row_i16(xr, sr, 1, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
+                    case 2: cb3_row_i16(xr, sr, 2, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
+                    case 3: cb3_row_i16(xr, sr, 3, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
+                    default: cb3_row_i16(xr, sr, 4, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
+                }
+                for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);
+            }
+    }
+    else if (cb && bits == 5) { ROWS(5, 1) }
     else if (cb) { ROWS(4, 1) }
     else if (bits == 8) { ROWS(8, 0) }
     else { ROWS(4, 0) }

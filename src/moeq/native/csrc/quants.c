@@ -934,8 +934,14 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                 const __m512 t0 = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
                 const uint8_t* q3 = q + r * rowb + g * gs / 8 * 3;
                 for (i64 j = 0; j < gs; j += 16) {
-                    uint64_t six = 0;
-                    memcpy(&six, q3 + j / 8 * 3, 6);
+                    const uint8_t* p6 = q3 + j / 8 * 3;
+                    uint64_t six = 0;  // the 6 bytes, by one 8-byte load ending inside them where one fits
+                    if (p6 - q >= 2) {
+                        memcpy(&six, p6 - 2, 8);
+                        six >>= 16;
+                    } else {
+                        memcpy(&six, p6, 6);
+                    }
                     const __m128i c = _mm_set_epi64x((long long)unpack3_word((uint32_t)(six >> 24)),
                                                      (long long)unpack3_word((uint32_t)(six & 0xFFFFFFu)));
                     const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), t0), sv);

@@ -269,6 +269,66 @@ static inline __attribute__((always_inline)) void row_i16(
     for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
 }
 
+// ---- 3-bit codebook (nl3: eight codes per 24-bit word, value = scale * values[code]) ----
+// The 8 values as an int8 vpshufb table (both 128-bit lanes); 0 when one is not an integer in [-128, 127].
+static inline int cb3_table_i8(const float* values, __m256i* t) {
+    int8_t b[16] = {0};
+    for (int i = 0; i < 8; i++) {
+        const float v = values[i];
+        if (!(v >= -128.f && v <= 127.f) || v != (float)(int)v) return 0;
+        b[i] = (int8_t)(int)v;
+    }
+    *t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)b));
+    return 1;
+}
+
+// One output row for M (1..4) rows of x as int16 per 32-chunk in order (x_to_i16_32 without split): each chunk's 12
+// bytes unpack to 32 codes (pdep), vpshufb makes them int8 values, vpmaddwd takes each half of the chunk against its
+// 16 activations — so a group of 16 (the chunk's halves at their own scales) costs nothing extra. gs % 16 == 0,
+// K % 32 == 0.
+static inline __attribute__((always_inline)) void cb3_row_i16(
+    const int16_t* xq, const float* sx, const i64 M, const uint8_t* q, const void* scale, int scale_kind,
+    const __m256i t, i64 n, i64 K, i64 gs, float* out) {
+    const i64 G = K / gs;
+    const uint8_t* qn = q + n * (K / 8 * 3);
+    __m256 acc[4];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    i64 g = n * G, pos = 0;  // the group of the chunk's first half (no division in the loop)
+    for (i64 c = 0; c < K; c += 32) {
+        uint64_t a, b;  // the chunk's 12 bytes as two 8-byte loads inside it (bytes 0-7 and 4-11)
+        memcpy(&a, qn + c / 8 * 3, 8);
+        memcpy(&b, qn + c / 8 * 3 + 4, 8);
+        const __m256i codes = _mm256_setr_epi64x(
+            (long long)unpack3_word((uint32_t)a), (long long)unpack3_word((uint32_t)(a >> 24)),
+            (long long)unpack3_word((uint32_t)(b >> 16)), (long long)unpack3_word((uint32_t)(b >> 40)));
+        const __m256i v = _mm256_shuffle_epi8(t, codes);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        float s0, s1;
+        if (gs == 16) {
+            s0 = load_scale(scale, scale_kind, g);
+            s1 = load_scale(scale, scale_kind, g + 1);
+            g += 2;
+        } else {
+            s0 = s1 = load_scale(scale, scale_kind, g);
+            pos += 32;
+            if (pos == gs) {
+                pos = 0;
+                g++;
+            }
+        }
+        for (i64 m = 0; m < M; m++) {
+            const int16_t* xc = xq + m * K + c;
+            const float f = sx[m * (K / 32) + c / 32];
+            const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xc));
+            const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xc + 16)));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f * s0), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f * s1), acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+}
+
 // ---- NF4/FP4 (value = absmax * code[nibble], even element in the HIGH nibble) ----
 // 16-entry fp32 table lookup as two 8-entry permutes chosen by the nibble's bit 3. xe/xo as the RTN row's.
 static inline __m256 lut16_ps(__m256i idx, __m256 t0, __m256 t1) {
