@@ -163,7 +163,8 @@ static inline uint32_t cb_pext(uint64_t h, uint64_t m) {
 
 // 64 3-bit codes of a 64-chunk (24 bytes: three 24-bit words) as word pairs (code 2i, code 2i+1) in *ei / *oi: each
 // qword gets its word's 3 bytes (vpermb), vpmultishiftqb moves code j of the qword to byte j — so word i holds codes
-// 2i (low byte) and 2i+1 (high byte). Without VBMI the same from a scalar unpack.
+// 2i (low byte) and 2i+1 (high byte), each with unmasked bits above it (see below). Without VBMI the same from a
+// scalar unpack.
 static inline __attribute__((always_inline)) void cb3_chunk(const uint8_t* p, __m512i* ei, __m512i* oi) {
 #if defined(__AVX512VBMI__)
     static const uint8_t spread[64] = {
@@ -172,8 +173,10 @@ static inline __attribute__((always_inline)) void cb3_chunk(const uint8_t* p, __
         21, 22, 23, 21, 21, 21, 21, 21};
     const __m512i shifts = _mm512_set1_epi64(0x15120F0C09060300ll);  // 0, 3, ..., 21
     const __m512i t = _mm512_permutexvar_epi8(_mm512_loadu_si512(spread), _mm512_maskz_loadu_epi8(0xFFFFFFull, p));
-    const __m512i u = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, t), _mm512_set1_epi8(7));
-    *ei = _mm512_and_si512(u, _mm512_set1_epi16(0x00FF));
+    // no masking: vpermw reads an index's low 5 bits and the lut holds the 8 values four times, so the bits above
+    // each code (and the high byte of the even word) select the same value
+    const __m512i u = _mm512_multishift_epi64_epi8(shifts, t);
+    *ei = u;
     *oi = _mm512_srli_epi16(u, 8);
 #else
     uint16_t e[32], o[32];
