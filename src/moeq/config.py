@@ -73,10 +73,10 @@ class RTN(FormatConfig):
     group_size: int = 128
     symmetric: bool = True
     grid: Literal["vllm", "signed", "iq4nl", "nl3"] = "vllm"
-    search: int = 0  # clip candidates per group; signed/iq4nl grids: importance-weighted scale search steps
+    search: int = 0  # clip candidates per group; signed/codebook grids: importance-weighted scale search steps
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
-    weighting: Literal["x2", "row", "mse"] = "x2"  # importance of each weight in the signed/iq4nl scale search
+    weighting: Literal["x2", "row", "mse"] = "x2"  # importance of each weight in the signed/codebook scale search
     double_quant: bool = False  # codebook grids: int8 codes of a per-row bf16 scale (8 instead of 16 bits per group)
     name: ClassVar[str] = "rtn"
 
@@ -91,8 +91,8 @@ class RTN(FormatConfig):
                              "4096 or -1")
         if self.weighting not in rtn.WEIGHTINGS:
             raise MoeqError(f"unsupported search weighting {self.weighting!r}; valid choices: {list(rtn.WEIGHTINGS)}")
-        if self.grid in rtn.CODEBOOKS and (self.bits != rtn.CODEBOOK_BITS[self.grid] or not self.symmetric or self.refine
-                                           or self.hqq):
+        if self.grid in rtn.CODEBOOKS and (self.bits != rtn.CODEBOOK_BITS[self.grid] or not self.symmetric
+                                           or self.refine or self.hqq):
             b = rtn.CODEBOOK_BITS[self.grid]
             raise MoeqError(f"grid {self.grid!r} is a symmetric {b}-bit codebook: bits={b}, symmetric, no refine/hqq")
         if not 0 <= self.search <= 127:

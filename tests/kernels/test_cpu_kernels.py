@@ -58,7 +58,8 @@ def _no_fused(ex, monkeypatch) -> None:
 
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128), RTN(4, 32, symmetric=False), BNB4("nf4", 64, True),
                                  BNB4("fp4", 32, False), RTN(4, 32, grid="iq4nl"), RTN(5, 32, grid="signed"),
-                                 RTN(4, 32, grid="iq4nl", double_quant=True), RTN(3, 16, grid="nl3", double_quant=True)],
+                                 RTN(4, 32, grid="iq4nl", double_quant=True),
+                                 RTN(3, 16, grid="nl3", double_quant=True)],
                          ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [6, 40])  # 40 tokens: some experts get more rows than the fused path takes
 def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
@@ -326,7 +327,8 @@ def test_rtn8_int16_activations_edge_cases():
 
 @pytest.mark.parametrize("cfg", [RTN(8, -1, symmetric=False), RTN(8, 32, grid="signed"), RTN(4, 128),
                                  RTN(4, 32, symmetric=False), RTN(4, 32, grid="iq4nl"), RTN(5, 32, grid="signed"),
-                                 RTN(4, 32, grid="iq4nl", double_quant=True), RTN(3, 16, grid="nl3", double_quant=True)],
+                                 RTN(4, 32, grid="iq4nl", double_quant=True),
+                                 RTN(3, 16, grid="nl3", double_quant=True)],
                          ids=lambda c: c.label())
 def test_one_call_linear_activation_edge_cases(cfg):
     """The decode linear's activation forms (bf16 on AVX512-BF16; int16 per 32 elements on AVX2, run by test_isa):

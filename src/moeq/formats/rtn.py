@@ -26,7 +26,7 @@ bf16, codes rounded to nearest; the search's codes are then re-rounded to the st
 instead of 16 — 4.25 + 16/K bits per weight at group 32, where ``iq4nl`` at group 64 (4.25) loses a third of its
 accuracy.
 
-Importance-weighted scale search (``search > 0`` on the ``signed`` grid, always on ``iq4nl``; native, see
+Importance-weighted scale search (``search > 0`` on the ``signed`` grid, always on ``iq4nl`` and ``nl3``; native, see
 ``moeq_cb4_search``): per group, the scale minimizing ``sum w (x - d v[q])^2`` over candidate scales, with per-weight
 importance ``w`` from the weights alone (``x^2``, llama.cpp's choice without an importance matrix; ``row``:
 ``sigma^2 + x^2``; ``mse``: 1). Its scales are exact in both bf16 and fp16 (lossless GGUF export, bf16 kernels).
@@ -238,9 +238,9 @@ def quantize(
     :mod:`moeq.formats.search`; ``hqq`` (iterations, asymmetric grids) runs HQQ-style half-quadratic
     optimization after them. On the 4/5-bit ``signed`` grid ``search`` is instead the importance-weighted scale
     search (``2*search+1`` candidates per sign, weights ``weighting``, times ``importance`` per input column when
-    given, e.g. the preceding norm's scale squared; see the module docstring); the ``iq4nl`` grid always runs it
-    (``search`` 0: the refit at llama.cpp's starting scale only; llama.cpp's IQ4_NL tries 7). The storage stays
-    the same."""
+    given, e.g. the preceding norm's scale squared; see the module docstring); the codebook grids (``iq4nl``,
+    ``nl3``) always run it (``search`` 0: the refit at llama.cpp's starting scale only; llama.cpp's IQ4_NL tries 7).
+    The storage stays the same."""
     if bits not in BITS:
         raise choice_error("RTN bits", bits, BITS)
     if not valid_group_size(group_size):
@@ -420,7 +420,8 @@ def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, 
         qdata = torch.empty(*w.shape[:-1], packed_size(k, bits), dtype=torch.uint8)
         scale = torch.empty(*w.shape[:-1], k // gs, dtype=torch.bfloat16)
         L.moeq_cb4_search(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs),
-                          native.ptr(padded), values.numel(), int(ntry), WEIGHTINGS[weighting], native.ptr(importance), native.ptr(qdata),
+                          native.ptr(padded), values.numel(), int(ntry), WEIGHTINGS[weighting], native.ptr(importance),
+                          native.ptr(qdata),
                           native.ptr(scale))
     else:
         from moeq.formats.search import codebook_search  # noqa: PLC0415

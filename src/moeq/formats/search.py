@@ -137,7 +137,7 @@ def bnb4_absmax_search(blocks: torch.Tensor, absmax: torch.Tensor, code_sorted: 
 def codebook_search(rows: torch.Tensor, gs: int, values: torch.Tensor, ntry: int, weighting: int,
                     colw: torch.Tensor | None = None):
     """Plain-torch twin of ``moeq_cb4_search`` (the native library's importance-weighted scale search for codebook
-    grids of 16 or 32 sorted ``values``; see its comment): ``rows [R, K]`` fp32 -> (codes uint8 ``[R, K]``, bf16
+    grids of 8, 16 or 32 sorted ``values``; see its comment): ``rows [R, K]`` fp32 -> (codes uint8 ``[R, K]``, bf16
     scales ``[R, K/gs]``, exact in fp16 too). Same candidates, criterion and rounding; sums may differ in the last
     bits (order)."""
     r, k = rows.shape

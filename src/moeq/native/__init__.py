@@ -206,7 +206,7 @@ def has_simd() -> bool:
 
 @functools.cache
 def has_cb3_dot() -> bool:
-    """The 3-bit codebook rows run on AVX512-BF16 with VBMI byte permutes (else the 3-bit grids take the plain loops)."""
+    """The 3-bit codebook rows run on AVX512-BF16 with VBMI byte permutes (else they unpack in scalar code)."""
     L = lib()
     return bool(L is not None and L.moeq_has_cb3_dot())
 

@@ -566,8 +566,8 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 
 
 // y[M, N] = x @ dequant(W)^T for the 3/4/5-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x
-// bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 16, 32 or a multiple of 64. lut: the values as bf16 (32 words: the
-// table repeated). Returns 0 (nothing written) without AVX512-BF16.
+// bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 16, 32 or a multiple of 64. lut: the values as bf16 (32
+// words: the table repeated). Returns 0 (nothing written) without AVX512-BF16.
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
                        const uint16_t* sup, const uint16_t* lut, i64 N, i64 K, i64 gs, int bits, float* y) {
 #if defined(__AVX512BF16__)
@@ -596,8 +596,8 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 }
 
 // AVX2 builds, bf16 models: y[m, N] = x[m, K] @ W[e]^T for RTN 4/8-bit and the 3/4/5-bit codebook grids through
-// rows_avx2.h's int16-activation rows (gs % 32 == 0; 3-bit: gs % 16 == 0). scratch: m*K/2 + m*K/32 + 16 floats. Returns 0 (nothing
-// written) outside that domain or on other builds.
+// rows_avx2.h's int16-activation rows (gs % 32 == 0; 3-bit: gs % 16 == 0). scratch: m*K/2 + m*K/32 + 16 floats.
+// Returns 0 (nothing written) outside that domain or on other builds.
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
 #if defined(MOEQ_AVX2)
     const i64 N = w->N, K = w->K, G = K / w->gs;

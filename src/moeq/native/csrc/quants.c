@@ -410,11 +410,13 @@ void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, cons
 }
 
 
-// ---------------------------------------------------------------- 4/5-bit codebooks (iq4nl / signed) ----------
-// value = scale * values[code], nv = 16 or 32 values sorted ascending, one scale per group, no zero point:
+// ------------------------------------------------------------ 3/4/5-bit codebooks (iq4nl / nl3 / signed) ------
+// value = scale * values[code], nv = 8, 16 or 32 values sorted ascending (the pointer holds at least 16: the vector
+// forms load 16), one scale per group, no zero point:
 // llama.cpp's IQ4_NL (values kvalues_iq4nl), Q4_0 (values -8..7) and Q5_0 (values -16..15) blocks. Rows: the low
 // four bits two per byte, even element in the LOW nibble (K/2 bytes); with 32 values then the fifth bits, LSB first
-// (K/8 bytes; per group of 32 llama.cpp Q5_0's qh word).
+// (K/8 bytes; per group of 32 llama.cpp Q5_0's qh word); with 8 values (nl3) eight 3-bit codes per 24-bit word, three
+// bytes low first (3K/8 bytes).
 
 // The nearest value's index for y (ties to the lower index): a binary search over the nv - 1 midpoints (mid[nv-1..]
 // are +inf).
@@ -1070,7 +1072,7 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
 #endif
             for (i64 k = k0; k < gs; k++) {  // the rest (gs % 16 == 0 leaves none on AVX512)
                 const float v = buf[k] * inv;
-                int c = 0;  // binary search over the nv - 1 midpoints (nv 16 or 32)
+                int c = 0;  // binary search over the nv - 1 midpoints (nv 8, 16 or 32)
                 for (int step = nv / 2; step >= 1; step /= 2) c += v > mid[c + step - 1] ? step : 0;
                 code[k] = (uint8_t)c;
             }

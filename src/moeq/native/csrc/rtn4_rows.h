@@ -147,9 +147,9 @@ static inline __attribute__((always_inline)) void rtn4_row_bf16(
 // -16..15), x in x_to_bf16's permuted order (K % 64 == 0). lut: 32 bf16 words — 4-bit: the 16 values twice, so vpermw
 // on a widened byte (index = its low 5 bits) needs no mask for the low nibble; 5-bit: the 32 values, the fifth bits
 // (a plane after the K/2 nibble bytes of each row, LSB first) or-ed in as bit 4 of each index; 3-bit: the 8 values
-// four times, the codes unpacked from their 24-bit words by cb3_chunk. Groups of 16, 32 or multiples of 64. Groups of 32
-// (llama.cpp's block) or multiples of 64: in a 64-chunk of the permuted layout, lanes 0-7 of each dot product hold
-// elements 0..31 and lanes 8-15 elements 32..63, so a group-32 chunk is scaled by one vector of two broadcast halves.
+// four times, the codes unpacked from their 24-bit words by cb3_chunk. Groups of 16, 32 (llama.cpp's block) or
+// multiples of 64: in a 64-chunk of the permuted layout, lane l of each dot product holds elements 4l..4l+3, so a
+// chunk's 2 (group 32) or 4 (group 16) scales are one vector of broadcast pieces.
 static inline uint32_t cb_pext(uint64_t h, uint64_t m) {
 #if defined(__BMI2__)
     return (uint32_t)_pext_u64(h, m);
