@@ -35,7 +35,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 (AVX2 only) to build and test what CPUs without AVX512 get
+ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
 
 
 def march() -> str:
@@ -199,7 +199,7 @@ def has_dpbf16() -> bool:
 @functools.cache
 def has_simd() -> bool:
     """The library has SIMD decode kernels: AVX512-BF16/VNNI (bf16 activations), or AVX2 + FMA (fp32 activations) on
-    CPUs without AVX512. The native decode forwards (norms, routers, attention, heads, one-call linears) need one."""
+    CPUs without AVX512-BF16. The native decode forwards (norms, routers, attention, heads, one-call linears) need one."""
     L = lib()
     return bool(L is not None and L.moeq_simd_level() > 0)
 

@@ -1,11 +1,13 @@
-// Row kernels for CPUs with AVX2 + FMA and no AVX512 (most laptops and desktops; MOEQ_NATIVE_MARCH=x86-64-v3 builds
-// them here): fp32 activations, exact fp32 products, fp32 accumulation — the numerics of the plain-C loops they
-// replace, in another summation order. Included by gemv.c; each returns one output element.
+// Row kernels for CPUs with AVX2 + FMA and no AVX512-BF16: most laptops and desktops, and AVX512 CPUs before it
+// (Skylake-SP, Cascade Lake, Ice Lake, Tiger Lake), whose AVX512F-only kernels (searches, dequantize, NF4 rows) stay;
+// MOEQ_NATIVE_MARCH=x86-64-v3 / skylake-avx512 build them here. fp32 activations, exact fp32 products, fp32
+// accumulation — the numerics of the plain-C loops they replace, in another summation order. Included by gemv.c;
+// each returns one output element.
 #ifndef MOEQ_ROWS_AVX2_H
 #define MOEQ_ROWS_AVX2_H
 #include "moeq.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #define MOEQ_AVX2 1
 
 static inline float hsum8(__m256 v) {
