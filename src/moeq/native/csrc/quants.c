@@ -433,7 +433,7 @@ static inline __attribute__((unused)) int cb4_nearest(const float* mid, int nv, 
 // index = base[bucket] + (y > that midpoint): two 32-entry table lookups instead of a 4-step binary search.
 // Tables of consecutive integers (the signed grids) take index = ceil(y - v0 - 0.5), clamped: no lookups at all.
 typedef struct {
-    int fast, uniform, nv, noclamp;
+    int fast, uniform, nv, noclamp, nb;  // nb: buckets, 32 (16 for tables of 8: one-source permutes)
     __m512 midv, mid1, bm0, bm1, bms0, bms1, tab0, tab1;
     __m512i base0, base1;
     float lo, inv_w, v0;
@@ -452,11 +452,13 @@ static void cb4_index_init(cb4_index* ix, const float* mid, const float* values,
     // The search's y = x * id never leaves +-Y, Y = |v0| (1 + ntry/127): when 32 buckets over +-Y still hold at most one
     // midpoint each, they cover every y and the bucket index needs no clamping (about a tenth of the inner loop).
     const float Y = fabsf(values[0]) * (1.f + (float)ntry / 127.f) * 1.001f + 1e-6f;
-    const float wy = 2.f * Y / 32.f;
+    const int nb = nv <= 8 ? 16 : 32;
+    ix->nb = nb;
+    const float wy = 2.f * Y / (float)nb;
     int wide = nv <= 16 && ntry >= 0;
     for (int j = 0; j < nv - 2; j++) wide &= mid[j + 1] - mid[j] > 1.01f * wy;
     wide &= fabsf(values[nv - 1]) <= fabsf(values[0]);  // the table's far end lies inside +-Y too
-    const float w = wide ? wy : (mid[nv - 2] - mid[0]) / 30.f;
+    const float w = wide ? wy : (mid[nv - 2] - mid[0]) / (float)(nb - 2);
     ix->fast = nv <= 16 && w > 0.f;
     for (int j = 0; j < nv - 2; j++) ix->fast &= mid[j + 1] - mid[j] > 1.01f * w;
     if (!ix->fast) return;
@@ -466,7 +468,7 @@ static void cb4_index_init(cb4_index* ix, const float* mid, const float* values,
     int32_t base[32];
     float bm[32];
     for (int b = 0; b < 32; b++) {
-        const float start = ix->lo + (float)b * w, end = start + w;
+        const float start = ix->lo + (float)(b % nb) * w, end = start + w;  // 16 buckets: the table twice
         base[b] = 0;
         bm[b] = INFINITY;
         for (int j = 0; j < nv - 1; j++) {
@@ -491,7 +493,7 @@ static inline __m512i cb4_nearest16(const cb4_index* ix, __m512 y) {
     }
     if (ix->fast) {
         __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(ix->lo)), _mm512_set1_ps(ix->inv_w)));
-        b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(31));
+        b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(ix->nb - 1));
         const __m512i i = _mm512_permutex2var_epi32(ix->base0, b, ix->base1);
         const __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(ix->bm0, b, ix->bm1), _CMP_GT_OQ);
         return _mm512_mask_add_epi32(i, up, i, _mm512_set1_epi32(1));
@@ -616,7 +618,8 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
     // the tables in registers, the loop over k unrolled by two with separate accumulators (latency-bound otherwise)
     const __m512 inv_w = _mm512_set1_ps(ix->inv_w), off = _mm512_set1_ps(-ix->lo * ix->inv_w);
     const __m512 bms0 = ix->bms0, bms1 = ix->bms1;
-    const __m512i base0 = ix->base0, base1 = ix->base1, one = _mm512_set1_epi32(1), b31 = _mm512_set1_epi32(31);
+    const __m512i base0 = ix->base0, base1 = ix->base1, one = _mm512_set1_epi32(1), b31 = _mm512_set1_epi32(ix->nb - 1);
+    const int nb16 = ix->nb == 16;
     const __m512i z0 = _mm512_setzero_si512();
     const int clamp = !ix->noclamp;
 #define CB4_FAST(x, out, clamp) CB4_FAST2(x, idw, out, clamp)
@@ -624,9 +627,9 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
         const __m512 u_ = _mm512_fmadd_ps((x), (idw_), off); \
         __m512i bk_ = _mm512_cvttps_epi32(u_); \
         if (clamp) bk_ = _mm512_min_epi32(_mm512_max_epi32(bk_, z0), b31); \
-        const __m512i i_ = _mm512_permutex2var_epi32(base0, bk_, base1); \
-        out = _mm512_mask_add_epi32(i_, _mm512_cmp_ps_mask(u_, _mm512_permutex2var_ps(bms0, bk_, bms1), _CMP_GT_OQ), \
-                                    i_, one); \
+        const __m512i i_ = nb16 ? _mm512_permutexvar_epi32(bk_, base0) : _mm512_permutex2var_epi32(base0, bk_, base1); \
+        const __m512 m_ = nb16 ? _mm512_permutexvar_ps(bk_, bms0) : _mm512_permutex2var_ps(bms0, bk_, bms1); \
+        out = _mm512_mask_add_epi32(i_, _mm512_cmp_ps_mask(u_, m_, _CMP_GT_OQ), i_, one); \
     } while (0)
 // two elements' weighted sums of x v and v^2 (x0/x1 at k, k+1 with values v0/v1) into the accumulator pairs
 #define CB4_ACC() do { \
