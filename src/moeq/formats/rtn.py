@@ -421,8 +421,7 @@ def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, 
         scale = torch.empty(*w.shape[:-1], k // gs, dtype=torch.bfloat16)
         L.moeq_cb4_search(native.ptr(wc), int(wc.dtype == torch.bfloat16), native.i64(rows), native.i64(k), native.i64(gs),
                           native.ptr(padded), values.numel(), int(ntry), WEIGHTINGS[weighting], native.ptr(importance),
-                          native.ptr(qdata),
-                          native.ptr(scale))
+                          native.ptr(qdata), native.ptr(scale))
     else:
         from moeq.formats.search import codebook_search  # noqa: PLC0415
 

@@ -107,7 +107,7 @@ def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int,
     values, lut = codebook_tables(table)
     y = torch.empty(m, n, dtype=torch.float32)
     sb, sup = w.scale_kind, native.ptr(w.scale_super)
-    if x.dtype == torch.bfloat16 and k % 64 == 0 and gs in (16, 32, *range(64, k + 1, 64)) and native.has_dpbf16():
+    if x.dtype == torch.bfloat16 and k % 64 == 0 and (gs in (16, 32) or gs % 64 == 0) and native.has_dpbf16():
         xb = _perm64(x.reshape(m, k).contiguous())
         if L.moeq_cb4_gemv_bf16(native.ptr(xb), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), sb, sup,
                                 native.ptr(lut), native.i64(n), native.i64(k), native.i64(gs), w.bits, native.ptr(y)):

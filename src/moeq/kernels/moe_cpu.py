@@ -37,12 +37,12 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | No
 def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
     gs = k if w.group_size == -1 else w.group_size
     table = codebook_of(w, gs)
-    small = gs == 16 and table is not None  # codebooks at group 16: the AVX512-BF16 rows, else the plain loop
+    small = gs == 16 and table is not None  # codebooks at group 16 (AVX512-BF16 rows; AVX2: the 3-bit ones)
     if (w.bits not in (4, 8) and table is None) or (gs % 32 and not small) or w.scale.dtype not in (
             torch.bfloat16, torch.float32, torch.int8):
         return None
     if (w.scale_super is not None) != (w.scale.dtype == torch.int8) or (
-            w.scale_super is not None and codebook_of(w, gs) is None):  # int8 scale codes: the codebook rows only
+            w.scale_super is not None and table is None):  # int8 scale codes: the codebook rows only
         return None
     if not native.usable(w.qdata, w.scale, w.zero, w.scale_super):
         return None
