@@ -11,6 +11,7 @@ from torch import nn
 
 from moeq.arch import get_arch
 from moeq.config import FormatConfig, QuantConfig
+from moeq.errors import MoeqError
 from moeq.convert import ExpertsBuilder, activation_for, install_experts, plan, quantize_linear, set_module
 from moeq.formats import PackedWeight
 from moeq.io.writer import atomic_dir, copy_side_files, model_sources, unique_tensors, write_shards
@@ -67,6 +68,38 @@ def save(model: nn.Module, out: str | os.PathLike, overwrite: bool = False, sour
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         copy_side_files(source, tmp)
+    return out
+
+
+ACTIVATIONS = ("default", "int8")
+
+
+def set_activations(model: nn.Module, mode: str) -> dict[str, list[str]]:
+    """Choose the activations' numerics of the CPU decode kernels (1-8 rows per weight): ``"default"`` (the model's
+    dtype: bf16 or fp32 activations, the numerics moeq is tested against transformers with) or ``"int8"`` (each
+    activation row quantized per block of 32 to int8, as llama.cpp's Q4_0/Q8_0 dot products take it: integer dot
+    products, faster on CPUs where the default rows are compute-bound; its accuracy cost is reported by ``moeq eval
+    --activations int8``). Weights outside the int8 kernels (asymmetric RTN, NF4/FP4, 3/5-bit grids, LLM.int8) keep
+    the default numerics; a warning names them. Prompts (more rows) always take the default path. Returns the module
+    names per numerics."""
+    from moeq.kernels.moe_cpu import takes_int8  # noqa: PLC0415
+    from moeq.nn import QuantExperts, QuantLinear  # noqa: PLC0415
+
+    if mode not in ACTIVATIONS:
+        raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+    out: dict[str, list[str]] = {"int8": [], "default": []}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (QuantLinear, QuantExperts)):
+            continue
+        mod.activations = mode
+        if mode == "int8":
+            ws = [mod.qweight] if isinstance(mod, QuantLinear) else [mod.w13, mod.w2]
+            out["int8" if all(takes_int8(w) for w in ws) else "default"].append(name)
+        else:
+            out["default"].append(name)
+    if mode == "int8" and out["default"]:
+        log.warning("int8 activations: %d quantized modules keep the default numerics (their formats are outside the "
+                    "int8 kernels), e.g. %s", len(out["default"]), ", ".join(out["default"][:3]))
     return out
 
 

@@ -22,16 +22,24 @@ from moeq.saved import restore
 
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
-         progress: bool = True, device: str | torch.device | None = None) -> nn.Module:
+         progress: bool = True, device: str | torch.device | None = None, activations: str = "default") -> nn.Module:
     """Load a checkpoint directory (or a Hub id already in the local Hugging Face cache): a moeq checkpoint as
     saved, or a bf16/fp16 one quantized in flight with ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
 
     ``device`` (default CPU): where the model runs. On a GPU, source tensors stream from disk to the GPU one at a
-    time and are quantized there; saved and pre-quantized checkpoints are moved once loaded."""
+    time and are quantized there; saved and pre-quantized checkpoints are moved once loaded.
+
+    ``activations``: the CPU decode kernels' numerics, ``"default"`` or ``"int8"`` (see :func:`moeq.set_activations`)."""
     from moeq.kernels.gpu import check_device  # noqa: PLC0415
 
+    from moeq.api import ACTIVATIONS, set_activations  # noqa: PLC0415
+
+    if activations not in ACTIVATIONS:
+        raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     dev = check_device(device)
     model = _load(hub.resolve(path), quant, dtype, progress, dev)
+    if activations != "default":
+        set_activations(model, activations)
     return model if dev.type == "cpu" else model.to(dev)
 
 

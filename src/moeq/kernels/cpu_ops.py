@@ -123,13 +123,14 @@ def _linear_plan(module) -> tuple | None:
     reused while its buffers stay the same tensors (``.to()``, reloading or re-quantizing replaces them and so
     rebuilds the plan); None when the weight is outside the native formats."""
     bias = module.bias
+    act = getattr(module, "activations", "default") == "int8"
     key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
-        None if bias is None else (bias.data_ptr(), bias.dtype),)
+        None if bias is None else (bias.data_ptr(), bias.dtype), act)
     slot = native.plan_slot(module, "_linear_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
     w, keep = module.qweight, []
-    stack = describe(w, keep, dot_bf16=True) if len(w.shape) == 2 else None
+    stack = describe(w, keep, dot_bf16=True, act_i8=act) if len(w.shape) == 2 else None
     plan = None
     if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and native.usable(bias))):
         n, k = w.shape

@@ -20,17 +20,37 @@ MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measure
 _DESCRIBERS, describer = by_format("native weight description")
 
 
-def describe(w: PackedWeight, keep: list, dot_bf16: bool = False) -> WStack | None:
+def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool = False) -> WStack | None:
     """Describe an expert stack ``[E, N, K]`` (or one weight ``[N, K]``) for the native kernels, or None outside their
     formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
     may take activations as bf16 (AVX512-BF16 dot products) or, on AVX2 builds, RTN and codebook grids as int16
-    (``moeq_avx2_gemv_i16``)."""
+    (``moeq_avx2_gemv_i16``). ``act_i8``: decode with int8 activations where :func:`takes_int8` (the explicit
+    ``activations="int8"`` option)."""
     fn = _DESCRIBERS.get(w.format)
     if fn is None or len(w.shape) not in (2, 3):
         return None
     e = w.shape[0] if len(w.shape) == 3 else 1
     n, k = w.shape[-2:]
-    return fn(w, e, n, k, keep, dot_bf16)
+    stack = fn(w, e, n, k, keep, dot_bf16)
+    if stack is not None and act_i8:
+        stack.act_i8 = int(takes_int8(w))
+    return stack
+
+
+def takes_int8(w: PackedWeight) -> bool:
+    """The int8-activation kernels (``moeq/native/csrc/i8.c``) take ``w``: RTN 4-bit symmetric (Q4_0, vLLM's int4) or
+    a 4-bit codebook with integer values in [-127, 127] (IQ4_NL), groups of 32 or multiples of 64, K % 32 == 0."""
+    if not native.has_i8_dot() or not isinstance(w, RTNWeight) or w.zero is not None or len(w.shape) not in (2, 3):
+        return False
+    k = w.shape[-1]
+    gs = k if w.group_size == -1 else w.group_size
+    if k % 32 or not (gs == 32 or (gs % 64 == 0 and k % gs == 0)) or w.bits != 4:
+        return False
+    table = codebook_of(w, gs)
+    if table is None or table == "signed":
+        return True
+    values = codebook_tables(table)[0][:16]
+    return bool((values == values.round()).all() and values.abs().max() <= 127)
 
 
 @describer("rtn")
@@ -156,13 +176,15 @@ def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:
 
 def _plan(module, dot: bool) -> tuple[WStack, WStack] | None:
     """The module's two stacks described for the kernel, built once and reused while its buffers stay the same
-    tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan)."""
-    key = (dot, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
+    tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan) and its ``activations``
+    option the same."""
+    act = getattr(module, "activations", "default") == "int8"
+    key = (dot, act, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
     slot = native.plan_slot(module, "_moe_plan")
     plan = slot.value
     if plan is None or plan[0] != key:
         keep: list = []
-        stacks = describe(module.w13, keep, dot), describe(module.w2, keep, dot)
+        stacks = describe(module.w13, keep, dot, act), describe(module.w2, keep, dot, act)
         plan = slot.value = (key, None if None in stacks else stacks, keep)
     return plan[1]
 

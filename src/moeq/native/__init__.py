@@ -32,7 +32,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -60,7 +60,7 @@ class WStack(ctypes.Structure):
                 ("zero", ctypes.c_void_p), ("bits", ctypes.c_int), ("gs", ctypes.c_int64), ("code", ctypes.c_void_p),
                 ("offset", ctypes.c_void_p), ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p),
                 ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("values", ctypes.c_void_p),
-                ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p)]
+                ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p), ("act_i8", ctypes.c_int)]
 
 
 class Layer(ctypes.Structure):
@@ -98,6 +98,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_has_dpbf16": (_INT, []),
     "moeq_simd_level": (_INT, []),
     "moeq_has_cb3_dot": (_INT, []),
+    "moeq_has_i8_dot": (_INT, []),
     "moeq_rtn_gemv": (None, [_P, _P, _P, _I, _P, _P, _INT, _P, _INT, _I, _I, _I, _P]),
     "moeq_rtn4_gemv_bf16": (None, [_P, _P, _I, _P, _P, _INT, _P, _I, _I, _I, _P, _INT]),
     "moeq_rtn8_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _I, _I, _I, _P]),
@@ -209,6 +210,13 @@ def has_cb3_dot() -> bool:
     """The 3-bit codebook rows run on AVX512-BF16 with VBMI byte permutes (else they unpack in scalar code)."""
     L = lib()
     return bool(L is not None and L.moeq_has_cb3_dot())
+
+
+@functools.cache
+def has_i8_dot() -> bool:
+    """The library has the int8-activation decode kernels (AVX512-VNNI: ``activations="int8"``)."""
+    L = lib()
+    return bool(L is not None and L.moeq_has_i8_dot())
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

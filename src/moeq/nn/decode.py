@@ -297,7 +297,7 @@ def _layer_plan(mod: nn.Module):
     stacks = moe_cpu._plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native" else None
     if None in plans or stacks is None:
         return None
-    key = tuple(pl[0].q for pl in plans) + (stacks[0].q, stacks[1].q)
+    key = tuple((pl[0].q, pl[0].act_i8) for pl in plans) + tuple((s.q, s.act_i8) for s in stacks)
     slot = native.plan_slot(mod, "_moeq_layer_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]

@@ -64,6 +64,7 @@ class QuantExperts(nn.Module):
         set_packed(self, "w2", w2)
         self.b13 = None if b13 is None else nn.Parameter(b13, requires_grad=False)  # [E, 2I]
         self.b2 = None if b2 is None else nn.Parameter(b2, requires_grad=False)  # [E, H]
+        self.activations = "default"  # decode numerics: "int8" is moeq.set_activations' option
         self.choose_kernel()
 
     @property

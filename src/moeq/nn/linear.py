@@ -16,6 +16,7 @@ class QuantLinear(nn.Module):
         set_packed(self, "weight", weight)
         # registered even when None, so a loader can fill it by name
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
+        self.activations = "default"  # decode numerics: "int8" is moeq.set_activations' option
         self.choose_kernel()
 
     def choose_kernel(self) -> str:

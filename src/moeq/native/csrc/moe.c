@@ -21,6 +21,7 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
+    if (w->act_i8 && moeq_i8_gemv(w, e, x, m, y)) return;                  // the int8-activation option
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
     if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 3/4/5-bit codebook grid
         const i64 G = K / w->gs;
@@ -240,6 +241,8 @@ static inline void avx2_rows(const moeq_wstack* w, const int16_t* xq, const floa
 void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                                 const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E,
                                 float* out, float* scratch) {
+    if (w13->act_i8 && w2->act_i8 && moeq_moe_forward_i8(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out))
+        return;
     i64 A = 0;
     for (i64 e = 0; e < E; e++) A += expert_start[e + 1] > expert_start[e];
     i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
@@ -374,7 +377,9 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN &&
+        if (w13->act_i8 && w2->act_i8 && moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
+            ;  // the int8-activation option
+        else if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN &&
             (w13->bits == 4 || w13->lut) && (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
             moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
         else

@@ -150,6 +150,7 @@ typedef struct {
     const float* values;         // RTN codebook grid: its values, 16 readable (value = scale * values[code]) or NULL
     const uint16_t* lut;         // ... and as bf16 (32 words: the table repeated), for the AVX512-BF16 kernels
     const uint16_t* scale_super; // RTN scale kind 2 (int8 codes): the bf16 row factor [E, N]
+    int act_i8;                  // decode with int8 activations where i8.c takes the weight (the explicit option)
 } moeq_wstack;
 
 // ---- exports (quants.c) ----
@@ -198,6 +199,11 @@ void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, i
                    const float* values, i64 N, i64 K, i64 gs, int bits, float* y);
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch);  // internal
+// ---- exports (i8.c) ----
+int moeq_has_i8_dot(void);
+int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y);
+int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                        const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 // ---- exports (moe.c) ----
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
                             float* scratch);

@@ -1,0 +1,308 @@
+// Integer-activation decode kernels (the `activations="int8"` option: llama.cpp's numerics). Each activation row is
+// quantized per block of 32 to int8 (d = amax / 127, q = rint(x / d)) and meets the weights' 4-bit codes in integer
+// dot products (vpmaddubsw: 32 u8 x s8 products per instruction, exact int32 sums per block), one fp32 FMA per 64
+// weights applying the weight and activation scales. Reads moeq's own row-major layouts as they are
+// (no repacked copy): in a 4-bit row's 32-byte chunk, 32-bit lane l holds the 8 elements 64c + 8l .. 8l + 7 (even
+// elements in the low nibbles), so the activations are split once per call into their even and odd elements and
+// every lane of the int32 sums belongs to one block of 32. AVX2 (every x86-64-v3 CPU; AVX512 ones run it too).
+//
+// Weights (i8_supported): RTN 4-bit symmetric (value = scale * (code - 8): llama.cpp's Q4_0 blocks, vLLM's int4) —
+// codes as u8 against signed activations, the -8 folded into per-lane sums of the activations —, and 4-bit codebook
+// grids whose values are integers in [-127, 127] (IQ4_NL: one byte shuffle per 32 codes, then llama.cpp's sign trick
+// |x| * sign(v, x), which keeps every pair of products within int16); groups of 32 or multiples of 64; scales fp32,
+// bf16 or int8 codes with a bf16 row factor; K % 32 == 0. Not 8-bit: moeq's 8-bit codes span all 256 values, and
+// exact u8 x s8 products of those cost as many instructions per weight as the int16 rows they would replace.
+#include "moeq.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MOEQ_I8 1
+#endif
+
+int moeq_has_i8_dot(void) {
+#if defined(MOEQ_I8)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(MOEQ_I8)
+// One 64-element chunk of a quantized activation row: lo / hi its even / odd elements (the low / high nibbles of the
+// weights' 32 bytes), alo / ahi their magnitudes (the codebook rows' sign trick), corr = -8 * (the lane's sum of q)
+// for the plain rows, dx = the lane's block scale (0 past K).
+typedef struct {
+    int8_t lo[32], hi[32];
+    uint8_t alo[32], ahi[32];
+    int32_t corr[8];
+    float dx[8];
+} i8_chunk;
+
+static inline i64 i8_chunks(i64 K) { return (K + 63) / 64; }
+
+// x [K] fp32 as i8_chunks(K) chunks; returns 0 when x holds NaN/Inf (the caller takes the default path, which
+// carries them through as torch does).
+static int i8_quantize_row(const float* x, i64 K, i8_chunk* out) {
+    memset(out, 0, (size_t)i8_chunks(K) * sizeof(i8_chunk));
+    for (i64 b = 0; b < K / 32; b++) {
+        const float* xb = x + 32 * b;
+        float amax = 0.f;
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            amax = fmaxf(amax, fabsf(xb[k]));
+            bad |= !isfinite(xb[k]);
+        }
+        if (bad) return 0;
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        for (int k = 0; k < 32; k++) {
+            const i64 e = 32 * b + k, j = (e % 64) / 2;
+            const float v = isfinite(id) ? xb[k] * id : xb[k] / d;  // 1/d overflows for subnormal d
+            const int q = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
+            i8_chunk* ch = out + e / 64;
+            if (e & 1) {
+                ch->hi[j] = (int8_t)q;
+                ch->ahi[j] = (uint8_t)abs(q);
+            } else {
+                ch->lo[j] = (int8_t)q;
+                ch->alo[j] = (uint8_t)abs(q);
+            }
+            ch->corr[j / 4] -= 8 * q;
+            ch->dx[j / 4] = d;
+        }
+    }
+    return 1;
+}
+
+// Row n of a weight (codes q, scales sc at the weight's start) against M activation rows (C chunks each): out[M].
+// A 32-byte chunk holds blocks 2c and 2c+1 (lanes 0-3, 4-7).
+static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const void* sc, const int kind, i64 K,
+                                                         i64 gs, const int cb, __m256i lut, i64 n, const i8_chunk* x,
+                                                         const i64 M, float* out) {
+    const i64 C = i8_chunks(K), G = K / gs;
+    const uint8_t* qn = q + n * (K / 2);
+    const char* sn = (const char*)sc + n * G * scale_size(kind);
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    // bf16 scales of blocks 2c, 2c+1 (a 32-bit load) into the high halves of lanes 0-3 / 4-7
+    const __m256i spread = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1,
+                                            -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3);
+    __m256 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (i64 c = 0; c < C; c++) {
+        const int full = 64 * (c + 1) <= K;  // rows with K % 64 == 32 end in half a chunk
+        const __m256i w = full ? _mm256_loadu_si256((const __m256i*)(qn + 32 * c))
+                               : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(qn + 32 * c)));
+        __m256 sv;
+        if (gs > 32) {
+            sv = _mm256_set1_ps(load_scale(sn, kind, c * 64 / gs));
+        } else if (kind == 1 && full) {
+            int32_t two;
+            memcpy(&two, sn + 4 * c, 4);
+            sv = _mm256_castsi256_ps(_mm256_shuffle_epi8(_mm256_set1_epi32(two), spread));
+        } else {
+            const float s0 = load_scale(sn, kind, 2 * c), s1 = full ? load_scale(sn, kind, 2 * c + 1) : 0.f;
+            sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+        }
+        __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+        if (cb) {
+            lo = _mm256_shuffle_epi8(lut, lo);
+            hi = _mm256_shuffle_epi8(lut, hi);
+        }
+        for (i64 m = 0; m < M; m++) {
+            const i8_chunk* xc = x + m * C + c;
+            __m256i s;
+            if (cb) {
+                const __m256i pl = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)xc->alo),
+                                                        _mm256_sign_epi8(lo, _mm256_loadu_si256((const __m256i*)xc->lo)));
+                const __m256i ph = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)xc->ahi),
+                                                        _mm256_sign_epi8(hi, _mm256_loadu_si256((const __m256i*)xc->hi)));
+                s = _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones));
+            } else {  // |sum| <= 4 * 15 * 127 per int16 lane: no saturation
+                const __m256i p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xc->lo)),
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)xc->hi)));
+                s = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_loadu_si256((const __m256i*)xc->corr));
+            }
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sv, _mm256_loadu_ps(xc->dx)), acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) {
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        out[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+}
+
+static inline void i8_row_any(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint16_t* sup, int cb,
+                              __m256i lut, i64 n, const i8_chunk* x, i64 M, float* out) {
+    const i64 K = w->K, gs = w->gs;
+#define I8_KIND(c, k)                                                                  \
+    if (cb) i8_row(q, sc, k, K, gs, 1, lut, n, x, c, out);                             \
+    else i8_row(q, sc, k, K, gs, 0, lut, n, x, c, out);
+#define I8_CASE(c)                                                                     \
+    case c:                                                                            \
+        if (w->scale_bf16 == 1) { I8_KIND(c, 1) }                                      \
+        else if (w->scale_bf16 == 2) { I8_KIND(c, 2) }                                 \
+        else { I8_KIND(c, 0) }                                                         \
+        break;
+    switch (M) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8) }
+#undef I8_CASE
+#undef I8_KIND
+    const float f = row_super(sup, n);
+    for (i64 m = 0; m < M; m++) out[m] *= f;
+}
+
+// A 4-bit codebook's values as an int8 table (repeated in each 128-bit lane) for vpshufb; returns 0 when a value is
+// not an integer in [-127, 127] (the kernels then decline). *cb = 0 for the plain grid value = code - 8 (Q4_0).
+static int i8_lut(const moeq_wstack* w, __m256i* lut, int* cb) {
+    *cb = 0;
+    *lut = _mm256_setzero_si256();
+    if (!w->values) return 1;
+    int8_t t[32];
+    int plain = 1;
+    for (int i = 0; i < 16; i++) {
+        const float v = w->values[i];
+        if (!(v >= -127.f && v <= 127.f) || v != floorf(v)) return 0;
+        plain &= v == (float)(i - 8);
+        t[i] = t[16 + i] = (int8_t)(int)v;
+    }
+    if (!plain) {
+        *cb = 1;
+        *lut = _mm256_loadu_si256((const __m256i*)t);
+    }
+    return 1;
+}
+
+// Whether the kernels take this weight (see the top of the file).
+static int i8_supported(const moeq_wstack* w) {
+    if (!w->act_i8 || w->fmt != MOEQ_FMT_RTN || w->zero || w->K % 32 || w->bits != 4 || w->scale_bf16 < 0 ||
+        w->scale_bf16 > 2)
+        return 0;
+    return w->gs == 32 || (w->gs % 64 == 0 && w->K % w->gs == 0);
+}
+#endif
+
+// y[m, N] = x[m, K] @ W[e]^T with int8 activations, parallel over the rows. Returns 0 (y untouched) when the weight
+// or the activations are outside the kernels' domain, or a buffer cannot be had: the caller takes its default path.
+int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
+#if defined(MOEQ_I8)
+    __m256i lut;
+    int cb;
+    if (m < 1 || m > 8 || !i8_supported(w) || !i8_lut(w, &lut, &cb)) return 0;
+    const i64 N = w->N, K = w->K, C = i8_chunks(K), G = K / w->gs;
+    i8_chunk* xq = (i8_chunk*)malloc((size_t)(m * C) * sizeof(i8_chunk));
+    if (!xq) return 0;
+    for (i64 r = 0; r < m; r++)
+        if (!i8_quantize_row(x + r * K, K, xq + r * C)) {
+            free(xq);
+            return 0;
+        }
+    const uint8_t* q = w->q + e * N * (K / 2);
+    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
+    const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        float o[8];
+        i8_row_any(w, q, sc, sup, cb, lut, n, xq, m, o);
+        for (i64 r = 0; r < m; r++) y[r * N + n] = o[r];
+    }
+    free(xq);
+    return 1;
+#else
+    (void)w, (void)e, (void)x, (void)m, (void)y;
+    return 0;
+#endif
+}
+
+static inline float silu_f(float v) { return v / (1.f + expf(-v)); }
+
+// A decode step's MoE layer with int8 activations, parallel across experts (moeq_moe_forward_rtn4_bf16's structure):
+// pairs grouped by expert (expert_start), at most 8 rows per expert. Returns 0 (out untouched) outside the kernels'
+// domain or without memory.
+int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                        const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out) {
+#if defined(MOEQ_I8)
+    __m256i lut13, lut2;
+    int cb13, cb2;
+    if (!i8_supported(w13) || !i8_supported(w2) || !i8_lut(w13, &lut13, &cb13) || !i8_lut(w2, &lut2, &cb2) ||
+        w13->K != H || w2->K != I || w13->N != 2 * I || w2->N != H)
+        return 0;
+    i64 A = 0;
+    for (i64 e = 0; e < E; e++) {
+        const i64 m = expert_start[e + 1] - expert_start[e];
+        if (m > 8) return 0;
+        A += m > 0;
+    }
+    const i64 I2 = 2 * I, C1 = i8_chunks(H), C2 = i8_chunks(I);
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs;
+    i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
+    i8_chunk* xq = (i8_chunk*)malloc((size_t)(A * 8 * (C1 + C2) + 1) * sizeof(i8_chunk));
+    float* h = (float*)malloc((size_t)(A * 8 * (I2 + H) + 1) * sizeof(float));
+    int ok = act && xq && h;
+    if (ok) {
+        A = 0;
+        for (i64 e = 0; e < E; e++)
+            if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
+    }
+    i8_chunk* aq = xq + A * 8 * C1;
+    float* y = h + A * 8 * I2;
+    for (i64 a = 0; ok && a < A; a++) {
+        const i64 p0 = expert_start[act[a]], m = expert_start[act[a] + 1] - p0;
+        for (i64 r = 0; r < m && ok; r++)
+            ok = i8_quantize_row(x + pair_tok[p0 + r] * H, H, xq + (a * 8 + r) * C1);
+    }
+    int ok2 = 1;
+    if (ok) {
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (i64 t = 0; t < A * I2; t++) {
+                const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
+                float o[8];
+                i8_row_any(w13, w13->q + e * I2 * (H / 2),
+                           (const char*)w13->scale + e * I2 * G1 * scale_size(w13->scale_bf16),
+                           w13->scale_super ? w13->scale_super + e * I2 : NULL, cb13, lut13, n, xq + a * 8 * C1, m, o);
+                for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r];
+            }
+#pragma omp for schedule(static)
+            for (i64 a = 0; a < A; a++) {
+                const i64 m = expert_start[act[a] + 1] - expert_start[act[a]];
+                for (i64 r = 0; r < m; r++) {
+                    float* hr = h + (a * 8 + r) * I2;
+                    for (i64 i = 0; i < I; i++) hr[i] = silu_f(hr[i]) * hr[I + i];
+                    if (!i8_quantize_row(hr, I, aq + (a * 8 + r) * C2)) {
+#pragma omp atomic write
+                        ok2 = 0;
+                    }
+                }
+            }
+#pragma omp for schedule(static)
+            for (i64 t = 0; t < A * H; t++) {
+                const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
+                float o[8];
+                i8_row_any(w2, w2->q + e * H * (I / 2),
+                           (const char*)w2->scale + e * H * G2 * scale_size(w2->scale_bf16),
+                           w2->scale_super ? w2->scale_super + e * H : NULL, cb2, lut2, n, aq + a * 8 * C2, m, o);
+                for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r];
+            }
+        }
+    }
+    ok = ok && ok2;
+    if (ok)  // the weighted sum in the pairs' order, as the other layer kernels
+        for (i64 a = 0; a < A; a++) {
+            const i64 p0 = expert_start[act[a]], m = expert_start[act[a] + 1] - p0;
+            for (i64 r = 0; r < m; r++) {
+                const float wgt = pair_w[p0 + r];
+                float* o = out + pair_tok[p0 + r] * H;
+                const float* yr = y + (a * 8 + r) * H;
+                for (i64 k = 0; k < H; k++) o[k] += wgt * yr[k];
+            }
+        }
+    free(act);
+    free(xq);
+    free(h);
+    return ok;
+#else
+    (void)w13, (void)w2, (void)x, (void)H, (void)I, (void)pair_tok, (void)pair_w, (void)expert_start, (void)E,
+        (void)out;
+    return 0;
+#endif
+}
