@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 import moeq
 from moeq.config import BNB4, FP4, NF4, RTN, Int8, QuantConfig, presets
-from moeq.eval import evaluate_many, tokenize
+from moeq.eval import DECODE_CHUNK, evaluate_many, tokenize
 from moeq.io.writer import write_json
 
 HERE = Path(__file__).parent
@@ -189,6 +189,9 @@ def main():
                     help="compute dtype of the reference and of every model")
     ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure]",
                     help=f"llama.cpp rows (default {' '.join(LLAMACPP_TYPES)}; none when given without types)")
+    ap.add_argument("--activations", nargs="*", default=None, metavar="METHOD",
+                    help="also score these methods decode-shaped (DECODE_CHUNK tokens per forward over a KV cache), "
+                         "with the default and with int8 activations (moeq.set_activations)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -220,6 +223,15 @@ def main():
         secs = time.perf_counter() - t0
         models[name] = m
         rows[name] = _row(name, secs, bpw, n)
+    chunks = {}
+    for name in args.activations or []:
+        cfg = methods()[name]
+        for mode, label in (("default", f"{name}, decode-shaped"), ("int8", f"{name}, int8 activations")):
+            m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False, activations=mode)
+            info = moeq.inspect(m)
+            models[label], chunks[label] = m, DECODE_CHUNK
+            rows[label] = {**_row(label, 0.0, info["quantized_bits_per_weight"], info["quantized_params"]),
+                           "activations": mode, "chunk": DECODE_CHUNK}
     specs = LLAMACPP_TYPES if args.llamacpp is None else args.llamacpp
     if args.only is not None:
         specs = [t for t in specs if f"llama.cpp {t.split(':')[0]}" in " ".join(args.only)]
@@ -227,7 +239,7 @@ def main():
         lc_models, lc_rows, lc_info = llamacpp_models(args.model, specs, dtype, Path(work)) if specs else ({}, {}, {})
     models.update(lc_models)
     rows.update(lc_rows)
-    res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens)
+    res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens, chunks=chunks)
     for k, r in res.items():
         rows[k].update(r.to_dict())
     if args.merge and Path(args.out).exists():

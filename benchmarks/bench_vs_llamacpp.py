@@ -8,6 +8,9 @@ prompt, and a 512-token prefill to the first token) measure the same weights. Wr
 llama-bench is found with --llama-bench, or in the cache where benchmarks/llamacpp.py says how to build it.
 Without it the script says so and exits 0.
 
+--activations both (the default) measures moeq's decode twice: its default numerics and int8 activations
+(moeq.set_activations; llama.cpp's own activation numerics for Q4_0).
+
 --isa avx2 runs the same head-to-head for CPUs without AVX512: moeq's native library built with
 MOEQ_NATIVE_MARCH=x86-64-v3 (AVX2 + FMA kernels) against llama.cpp's build-avx2 (-DGGML_NATIVE=OFF -DGGML_AVX512=OFF).
 """
@@ -51,9 +54,11 @@ def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None) -> di
     return res
 
 
-def moeq_measure(model) -> dict:
+def moeq_measure(model, prefill: bool = True) -> dict:
     dec = bench.decode_tps(model, 1, prompt=32, new=128, reps=2)
     dec4 = bench.decode_tps(model, 4, prompt=32, new=128, reps=2)
+    if not prefill:
+        return {"decode_tps": dec, "decode_b4_tps": dec4}
     pre = min(bench.prefill_seconds(model, 512, False) for _ in range(2))
     pre2k = min(bench.prefill_seconds(model, 2048, False) for _ in range(2))
     return {"decode_tps": dec, "decode_b4_tps": dec4, "prefill512_tps": 512 / pre, "prefill2048_tps": 2048 / pre2k}
@@ -76,6 +81,9 @@ def main() -> None:
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: both systems built for AVX2 + FMA only (moeq: MOEQ_NATIVE_MARCH=x86-64-v3)")
+    ap.add_argument("--activations", choices=["default", "int8", "both"], default="both",
+                    help="moeq's decode numerics (moeq.set_activations): both adds a 'moeq int8' system (decode only: "
+                         "prompts always take the default path)")
     ap.add_argument("--out", default=None, help="default benchmarks/results/vs_llamacpp[_avx2].json")
     args = ap.parse_args()
     build = "build" if args.isa == "native" else "build-avx2"
@@ -109,33 +117,41 @@ def main() -> None:
             t0 = time.time()
             bw = bench.memory_bandwidth()
             theirs = llama_bench(exe, gguf, args.threads, batched)
-            mine = moeq_measure(model)
+            row = {"method": method, "round": rnd, "llama.cpp": theirs}
+            for mode in ("default", "int8") if args.activations == "both" else (args.activations,):
+                moeq.set_activations(model, mode)
+                row["moeq" if mode == "default" else "moeq int8"] = moeq_measure(model, prefill=mode == "default")
             bw = max(bw, bench.memory_bandwidth())  # probed around both systems' runs in this round
-            rows.append({"method": method, "round": rnd, "llama.cpp": theirs, "moeq": mine, "bandwidth_gbps": bw / 1e9,
-                         "bytes_per_token": bpt, "roofline_tps": bw / bpt, "seconds": time.time() - t0})
+            rows.append({**row, "bandwidth_gbps": bw / 1e9, "bytes_per_token": bpt, "roofline_tps": bw / bpt,
+                         "seconds": time.time() - t0})
             print(json.dumps(rows[-1]), flush=True)
         del model
     best = {}
     for r in rows:
         b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}, "roofline_tps": 0.0})
         b["roofline_tps"] = max(b["roofline_tps"], r["roofline_tps"])
-        for sys_ in ("llama.cpp", "moeq"):
-            for k, v in r[sys_].items():
-                b[sys_][k] = max(b[sys_].get(k, 0.0), v)
-    res = {"model": str(src), "threads": args.threads, "isa": args.isa, "moeq_simd_level": native.lib().moeq_simd_level(),
-           "llama_bench": str(exe), "rounds": rows, "best": best}
+        for sys_ in ("llama.cpp", "moeq", "moeq int8"):
+            for k, v in r.get(sys_, {}).items():
+                b.setdefault(sys_, {})[k] = max(b[sys_].get(k, 0.0), v)
+    res = {"model": str(src), "threads": args.threads, "isa": args.isa, "cpu": bench.cpu_summary(),
+           "moeq_simd_level": native.lib().moeq_simd_level(), "llama_bench": str(exe), "rounds": rows, "best": best}
     write_json(out, res)
     keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "prefill 512"),
             ("prefill2048_tps", "prefill 2048")]
     print("\n| weights | " + " | ".join(f"{label} llama.cpp / moeq tok/s (ratio)" for _, label in keys)
           + " | b1 roofline tok/s (llama.cpp / moeq fraction) |\n|---" * 1 + "|---" * (len(keys) + 1) + "|")
     for method, b in best.items():
-        lc, mq = b["llama.cpp"], b["moeq"]
-        cells = [f"{lc[k]:.1f} / {mq[k]:.1f} ({mq[k] / lc[k]:.2f})" if k in lc and k in mq else "n/a" for k, _ in keys]
-        roof = b["roofline_tps"]
-        head = method.partition("+head:")[2] or "bf16"
-        print(f"| {method.partition('+head:')[0]}, {head} lm_head | " + " | ".join(cells)
-              + f" | {roof:.0f} ({lc['decode_tps'] / roof:.0%} / {mq['decode_tps'] / roof:.0%}) |")
+        for sys_ in ("moeq", "moeq int8"):
+            if sys_ not in b:
+                continue
+            lc, mq = b["llama.cpp"], b[sys_]
+            cells = [f"{lc[k]:.1f} / {mq[k]:.1f} ({mq[k] / lc[k]:.2f})" if k in lc and k in mq else "n/a"
+                     for k, _ in keys]
+            roof = b["roofline_tps"]
+            head = method.partition("+head:")[2] or "bf16"
+            act = ", int8 activations" if sys_ == "moeq int8" else ""
+            print(f"| {method.partition('+head:')[0]}, {head} lm_head{act} | " + " | ".join(cells)
+                  + f" | {roof:.0f} ({lc['decode_tps'] / roof:.0%} / {mq['decode_tps'] / roof:.0%}) |")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,22 @@ def memory_bandwidth(gb: float = 1.0, repeat: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def cpu_summary() -> dict:
+    """The CPU the numbers were measured on (model name and the vector extensions moeq's kernels care about): these
+    machines differ from day to day (AVX512-BF16 Zen 4, AVX2-only Zen 3)."""
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "unknown":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512vbmi", "avx_vnni")
+    return {"model": name, "flags": [f for f in wanted if f in flags]}
+
+
 def model_bytes(model: nn.Module) -> tuple[int, int]:
     """(whole model, decoder layers) resident bytes of parameters and buffers."""
     total = layers = 0

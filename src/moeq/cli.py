@@ -293,7 +293,7 @@ def cmd_export(args) -> int:
 
 def cmd_eval(args) -> int:
     import moeq
-    from moeq.eval import check_compatible, evaluate_many, tokenize
+    from moeq.eval import DECODE_CHUNK, check_compatible, evaluate_many, tokenize
 
     texts = []
     for f in args.text:
@@ -307,15 +307,18 @@ def cmd_eval(args) -> int:
     models = {}
     for path in args.model:
         tok = _tokenizer(path)
-        models[path] = moeq.load(path, quant=quant, dtype=_dtype(args.dtype), progress=not args.json)
+        models[path] = moeq.load(path, quant=quant, dtype=_dtype(args.dtype), progress=not args.json,
+                                 activations=args.activations)
         check_compatible(models[path], ref, tok, ref_tok)
+    # int8 activations change the decode kernels only (at most a few rows per weight): score them decode-shaped
+    chunk = args.chunk or (DECODE_CHUNK if args.activations != "default" else None)
     results = evaluate_many(models, ref, tokenize(ref_tok, texts), ctx=args.ctx, max_tokens=args.max_tokens,
-                            progress=not args.json)
+                            progress=not args.json, chunks={p: chunk for p in models} if chunk else None)
     rows = []
     for path, res in results.items():
         info = moeq.inspect(models[path])
         rows.append({"model": path, "method": args.method, "reference": args.ref, "texts": list(args.text),
-                     "ctx": args.ctx, **res.to_dict(), "bits_per_weight": info["bits_per_weight"],
+                     "ctx": args.ctx, "activations": args.activations, "chunk": chunk, **res.to_dict(), "bits_per_weight": info["bits_per_weight"],
                      "quantized_bits_per_weight": info["quantized_bits_per_weight"]})
     if args.json:
         print(json.dumps(rows if len(rows) > 1 else rows[0]))
@@ -513,6 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ctx", type=_int_at_least(2, 1 << 20), default=512, help="window length in tokens")
     ev.add_argument("--max-tokens", type=_int_at_least(3), default=None, help="score at most this many tokens")
     method_args(ev, None)
+    ev.add_argument("--activations", choices=["default", "int8"], default="default",
+                    help="the decode kernels' activation numerics (moeq.set_activations); int8 scores decode-shaped "
+                         "(moeq.eval.DECODE_CHUNK tokens per forward over a KV cache) unless --chunk says otherwise")
+    ev.add_argument("--chunk", type=_int_at_least(1, 64), default=None, metavar="N",
+                    help="score decode-shaped: N tokens per forward over a KV cache (the decode kernels' rows)")
     ev.add_argument("--json", action="store_true", help="print the results as JSON")
     ev.add_argument("--json-out", metavar="FILE", help="also write the results as JSON to FILE")
     ev.set_defaults(func=cmd_eval)

@@ -13,6 +13,9 @@ from torch import nn
 from tqdm.auto import tqdm
 from moeq.errors import MoeqError
 
+DECODE_CHUNK = 4  # tokens per decode-shaped forward: every decode kernel takes this many rows (the one-call linear's
+# limit for large weights)
+
 
 @dataclasses.dataclass
 class EvalResult:
@@ -62,10 +65,23 @@ def check_compatible(model: nn.Module, ref: nn.Module, tokenizer=None, ref_token
                         "tokenizer")
 
 
+def logits(model: nn.Module, inp: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """``model(inp).logits``; with ``chunk``, decode-shaped: ``chunk`` tokens per forward over a KV cache, so every
+    weight sees at most ``chunk`` rows — the decode kernels' domain (what ``activations="int8"`` changes)."""
+    if chunk is None:
+        return model(inp).logits
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    cache = DynamicCache(config=model.config)
+    return torch.cat([model(inp[:, i:i + chunk], past_key_values=cache, use_cache=True).logits
+                      for i in range(0, inp.shape[1], chunk)], 1)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, ref: nn.Module, ids: torch.Tensor, ctx: int = 512, max_tokens: int | None = None,
-             progress: bool = True) -> EvalResult:
-    """Evaluate on token ids ``[n]`` (already tokenized, e.g. by :func:`tokenize`)."""
+             progress: bool = True, chunk: int | None = None) -> EvalResult:
+    """Evaluate on token ids ``[n]`` (already tokenized, e.g. by :func:`tokenize`); ``chunk``: the model (not the
+    reference) runs decode-shaped (:func:`logits`)."""
     ids = ids.reshape(-1)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -77,7 +93,7 @@ def evaluate(model: nn.Module, ref: nn.Module, ids: torch.Tensor, ctx: int = 512
     for start, end, first in tqdm(wins, desc="eval", unit="window", disable=not progress):
         x = ids[start:end].unsqueeze(0)
         inp, tgt = x[:, :-1], x[0, 1:]
-        lp = torch.log_softmax(model(inp).logits[0, first:].float(), -1)
+        lp = torch.log_softmax(logits(model, inp, chunk)[0, first:].float(), -1)
         lr = torch.log_softmax(ref(inp).logits[0, first:].float(), -1)
         t = tgt[first:]
         nll -= lp.gather(-1, t[:, None]).sum().item()
@@ -107,8 +123,13 @@ def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_many(models: dict[str, nn.Module], ref: nn.Module, ids: torch.Tensor, ctx: int = 512,
-                  max_tokens: int | None = None, progress: bool = True) -> dict[str, EvalResult]:
-    """:func:`evaluate` for several models against one reference, running the reference once per window."""
+                  max_tokens: int | None = None, progress: bool = True,
+                  chunks: dict[str, int] | None = None) -> dict[str, EvalResult]:
+    """:func:`evaluate` for several models against one reference, running the reference once per window; ``chunks``:
+    the models run decode-shaped, by name (:func:`logits`)."""
+    chunks = chunks or {}
+    if any(type(c) is not int or c < 1 for c in chunks.values()):
+        raise MoeqError(f"decode chunks must be integers >= 1, got {chunks}")
     ids = ids.reshape(-1)[:max_tokens] if max_tokens else ids.reshape(-1)
     for m in models.values():
         check_compatible(m, ref)
@@ -122,7 +143,7 @@ def evaluate_many(models: dict[str, nn.Module], ref: nn.Module, ids: torch.Tenso
         nll_ref -= lr.gather(-1, t[:, None]).sum().item()
         pr, top_r = lr.exp(), lr.argmax(-1)
         for k, m in models.items():
-            lp = torch.log_softmax(m(inp).logits[0, first:].float(), -1)
+            lp = torch.log_softmax(logits(m, inp, chunks.get(k))[0, first:].float(), -1)
             a = acc[k]
             a["nll"] -= lp.gather(-1, t[:, None]).sum().item()
             a["kl"].append((pr * (lr - lp)).sum(-1))

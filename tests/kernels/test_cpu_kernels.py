@@ -166,7 +166,7 @@ def test_large_weights_dequantize_in_row_chunks(cfg, monkeypatch):
         assert shapes == [(200, 256)]
     # a caller's buffer (the experts' per-layer one) takes the weight whole: no chunking, nothing allocated
     shapes.clear()
-    buf = torch.empty(q.numel + 7, dtype=torch.bfloat16)
+    buf = torch.empty(q.numel + 7, dtype=kernels.matmul_dtype(x.dtype, x.device))  # fp32 without bf16 GEMM
     assert torch.equal(kernels.reference(q, x, bias, buf), whole)
     assert shapes == [(200, 256)]
 
@@ -365,3 +365,40 @@ def test_one_call_linear_activation_edge_cases(cfg):
     x[0, 5] = float("inf")
     y = cpu_ops.quant_linear_bf16(mod, x)  # NaN, or +-inf where the exact result is (codebooks have no zero value)
     assert y[2].isnan().all() and not y[0].isfinite().any() and y[1].isfinite().all()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_many_row_matmuls_of_bf16_models_run_in_fp32_without_bf16_gemm(fast, monkeypatch):
+    """On CPUs without native bf16 GEMM (AVX2-only: torch's bf16 matmul ~5x slower than fp32), a bf16 model's
+    prompt-sized matmuls — quantized linears and the experts' per-expert loop — dequantize to fp32 and round the
+    product to bf16 once: the exact products' fp32 sum, rounded (what a bf16 GEMM with fp32 accumulation computes)."""
+    from moeq import native
+    from moeq.kernels import matmul_dtype
+    from moeq.nn import Activation, QuantExperts
+
+    monkeypatch.setattr(native, "fast_bf16_matmul", lambda: fast)
+    assert matmul_dtype(torch.bfloat16, torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
+    assert matmul_dtype(torch.float32, torch.device("cpu")) == torch.float32
+    torch.manual_seed(0)
+    w = RTN(4, 32).quantize(torch.randn(256, 512).bfloat16())
+    x, bias = torch.randn(40, 512).bfloat16(), torch.randn(256).bfloat16()
+    y = reference(w, x, bias)
+    exact = (x.float() @ w.dequantize(torch.float32).t() + bias.float())
+    assert y.dtype == torch.bfloat16
+    if not fast:
+        assert torch.equal(y, exact.bfloat16())
+    assert (y.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+    e, h, i = 4, 128, 64
+    mod = QuantExperts(RTN(4, 32).quantize(torch.randn(e, 2 * i, h).bfloat16() * 0.1),
+                       RTN(4, 32).quantize(torch.randn(e, h, i).bfloat16() * 0.1), Activation())
+    t = 40  # more rows per expert than the decode kernels take: the dequantize + matmul loop
+    xs, idx, wts = torch.randn(t, h).bfloat16(), torch.randint(0, e, (t, 2)), torch.rand(t, 2).bfloat16()
+    got = mod(xs, idx, wts).float()
+    d13, d2 = mod.w13.dequantize(torch.float32), mod.w2.dequantize(torch.float32)
+    want = torch.zeros(t, h)
+    for r in range(t):
+        for j in range(2):
+            hh = (d13[idx[r, j]] @ xs[r].float()).bfloat16().float()
+            a = (torch.nn.functional.silu(hh[:i]) * hh[i:]).bfloat16().float()
+            want[r] += wts[r, j].float() * (d2[idx[r, j]] @ a).bfloat16().float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -20,11 +20,25 @@ CHUNKED_ABOVE = 1 << 24
 DEQUANT_CHUNK = 1 << 21
 
 
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the many-row matmuls of a ``dtype`` model run in: fp32 for bf16 on CPUs without native bf16 GEMM
+    (:func:`moeq.native.fast_bf16_matmul`), else ``dtype``."""
+    from moeq import native  # noqa: PLC0415
+
+    slow = dtype == torch.bfloat16 and device.type == "cpu" and not native.fast_bf16_matmul()
+    return torch.float32 if slow else dtype
+
+
 def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
               buf: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ dequant(w)[N, K].T + bias`` in x's dtype. ``buf``: an optional flat scratch tensor of x's
-    dtype with at least ``w.numel`` elements to dequantize into (callers looping over experts reuse one); ``out``: an
-    optional ``[n, N]`` destination for a 2-D ``x`` (the product is written there, not copied)."""
+    dtype — or of :func:`matmul_dtype`'s — with at least ``w.numel`` elements to dequantize into (callers looping over
+    experts reuse one); ``out``: an optional ``[n, N]`` destination for a 2-D ``x`` (the product is written there, not
+    copied)."""
+    cd = matmul_dtype(x.dtype, x.device)
+    if cd != x.dtype:  # bf16 on a CPU without bf16 GEMM: fp32 products and sums, rounded once
+        y = reference(w, x.to(cd), None if bias is None else bias.to(cd), buf)
+        return y.to(x.dtype) if out is None else out.copy_(y)
     if buf is not None and buf.dtype == x.dtype and buf.numel() >= w.numel:
         wd = w.dequantize(x.dtype, out=buf[: w.numel].view(w.shape))
         if out is not None and x.dim() == 2:

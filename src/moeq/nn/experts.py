@@ -16,7 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from moeq.formats import PackedWeight
-from moeq.kernels import expert_linear
+from moeq.kernels import expert_linear, matmul_dtype
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
 from moeq.kernels.moe_cpu import moe_forward, moe_routed
 from moeq.nn.packed import get_packed, set_packed
@@ -146,7 +146,8 @@ class QuantExperts(nn.Module):
         xs = hidden_states[token_of]  # [P, H], pairs grouped by expert
         if self.weight_on_input:
             xs = xs * weight_of[:, None].to(xs.dtype)
-        buf = torch.empty(max(w13.numel, w2.numel) // self.num_experts, dtype=xs.dtype, device=xs.device)
+        buf = torch.empty(max(w13.numel, w2.numel) // self.num_experts, dtype=matmul_dtype(xs.dtype, xs.device),
+                          device=xs.device)
         h13 = self._per_expert(w13, self.b13, xs, counts, buf)  # [P, 2I]
         ys = self._per_expert(w2, self.b2, self.activation.glu_(h13, i), counts, buf)  # [P, H]
         if not self.weight_on_input:
