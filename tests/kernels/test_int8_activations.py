@@ -41,8 +41,11 @@ def _linear(cfg, n: int, k: int, seed: int = 0):
     return QuantLinear(cfg.quantize((torch.randn(n, k) * 0.05).bfloat16()))
 
 
-@pytest.mark.parametrize("cfg,k", [(c, 512) for c in INT8_CFGS] + [(c, 544) for c in INT8_CFGS if c.group_size == 32],
-                         ids=lambda v: v.label() if hasattr(v, "label") else str(v))  # 544: rows end in half a chunk
+# rows ending in part of a chunk (64 elements on AVX2, 128 on AVX512-VNNI): 544, 576, 608 leave 32, 64, 96
+@pytest.mark.parametrize("cfg,k", [(c, 512) for c in INT8_CFGS] + [(c, k) for c in INT8_CFGS if c.group_size == 32
+                                                                   for k in (544, 576, 608)]
+                         + [(RTN(4, 64), 576), (RTN(4, 192), 576)],
+                         ids=lambda v: v.label() if hasattr(v, "label") else str(v))
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_linear_equals_the_int8_numerics(cfg, k, m):
     mod = _linear(cfg, 96, k, seed=m)

@@ -4,7 +4,10 @@
 // weights applying the weight and activation scales. Reads moeq's own row-major layouts as they are
 // (no repacked copy): in a 4-bit row's 32-byte chunk, 32-bit lane l holds the 8 elements 64c + 8l .. 8l + 7 (even
 // elements in the low nibbles), so the activations are split once per call into their even and odd elements and
-// every lane of the int32 sums belongs to one block of 32. AVX2 (every x86-64-v3 CPU; AVX512 ones run it too).
+// every lane of the int32 sums belongs to one block of 32. AVX2 (every x86-64-v3 CPU). AVX512-VNNI CPUs (Zen 4/5,
+// Ice Lake and later) take 128-element chunks (a 64-byte load: two of the 32-byte chunks above) through vpdpbusd,
+// which sums the u8 x s8 products straight into int32: codebook values there go in as u8 shifted by 128 (the same
+// per-lane correction as the plain rows' -8), so both kinds cost two vpdpbusd per row per 128 weights.
 //
 // Weights (i8_supported): RTN 4-bit symmetric (value = scale * (code - 8): llama.cpp's Q4_0 blocks, vLLM's int4) —
 // codes as u8 against signed activations, the -8 folded into per-lane sums of the activations —, and 4-bit codebook
@@ -17,6 +20,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define MOEQ_I8 1
 #endif
+#if defined(MOEQ_I8) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define MOEQ_I8_512 1
+#endif
 
 int moeq_has_i8_dot(void) {
 #if defined(MOEQ_I8)
@@ -27,21 +34,38 @@ int moeq_has_i8_dot(void) {
 }
 
 #if defined(MOEQ_I8)
+#if defined(MOEQ_I8_512)
+// One 128-element chunk of a quantized activation row: lo / hi its even / odd elements (the low / high nibbles of the
+// weights' 64 bytes), corr = -off * (the lane's sum of q), off the weight's code offset (i8_offset), dx = the lane's
+// block scale (0 past K).
+#define I8_CH 128
+typedef struct {
+    int8_t lo[64], hi[64];
+    int32_t corr[16];
+    float dx[16];
+} i8_chunk;
+typedef __m512i i8_lut_t;
+static inline int i8_offset(int cb) { return cb ? 128 : 8; }
+#else
 // One 64-element chunk of a quantized activation row: lo / hi its even / odd elements (the low / high nibbles of the
 // weights' 32 bytes), alo / ahi their magnitudes (the codebook rows' sign trick), corr = -8 * (the lane's sum of q)
 // for the plain rows, dx = the lane's block scale (0 past K).
+#define I8_CH 64
 typedef struct {
     int8_t lo[32], hi[32];
     uint8_t alo[32], ahi[32];
     int32_t corr[8];
     float dx[8];
 } i8_chunk;
+typedef __m256i i8_lut_t;
+static inline int i8_offset(int cb) { return (void)cb, 8; }
+#endif
 
-static inline i64 i8_chunks(i64 K) { return (K + 63) / 64; }
+static inline i64 i8_chunks(i64 K) { return (K + I8_CH - 1) / I8_CH; }
 
 // x [K] fp32 as i8_chunks(K) chunks; returns 0 when x holds NaN/Inf (the caller takes the default path, which
 // carries them through as torch does).
-static int i8_quantize_row(const float* x, i64 K, i8_chunk* out) {
+static int i8_quantize_row(const float* x, i64 K, int off, i8_chunk* out) {
     memset(out, 0, (size_t)i8_chunks(K) * sizeof(i8_chunk));
     for (i64 b = 0; b < K / 32; b++) {
         const float* xb = x + 32 * b;
@@ -54,24 +78,85 @@ static int i8_quantize_row(const float* x, i64 K, i8_chunk* out) {
         if (bad) return 0;
         const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         for (int k = 0; k < 32; k++) {
-            const i64 e = 32 * b + k, j = (e % 64) / 2;
+            const i64 e = 32 * b + k, j = (e % I8_CH) / 2;
             const float v = isfinite(id) ? xb[k] * id : xb[k] / d;  // 1/d overflows for subnormal d
             const int q = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
-            i8_chunk* ch = out + e / 64;
-            if (e & 1) {
+            i8_chunk* ch = out + e / I8_CH;
+            if (e & 1)
                 ch->hi[j] = (int8_t)q;
-                ch->ahi[j] = (uint8_t)abs(q);
-            } else {
+            else
                 ch->lo[j] = (int8_t)q;
+#if !defined(MOEQ_I8_512)
+            if (e & 1)
+                ch->ahi[j] = (uint8_t)abs(q);
+            else
                 ch->alo[j] = (uint8_t)abs(q);
-            }
-            ch->corr[j / 4] -= 8 * q;
+#endif
+            ch->corr[j / 4] -= off * q;
             ch->dx[j / 4] = d;
         }
     }
     return 1;
 }
 
+#if defined(MOEQ_I8_512)
+// Row n of a weight (codes q, scales sc at the weight's start) against M activation rows (C chunks each): out[M].
+// A 64-byte chunk holds blocks 4c .. 4c+3 (lanes 0-3, 4-7, 8-11, 12-15); codes (plain) or lut[code] = value + 128
+// (cb) as u8 against the signed activations, the offset removed by the chunk's corr.
+static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const void* sc, const int kind, i64 K,
+                                                         i64 gs, const int cb, __m512i lut, i64 n, const i8_chunk* x,
+                                                         const i64 M, float* out) {
+    const i64 C = i8_chunks(K), G = K / gs;
+    const uint8_t* qn = q + n * (K / 2);
+    const char* sn = (const char*)sc + n * G * scale_size(kind);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    // four bf16 / fp32 / int8 block scales into lanes 4b .. 4b+3 (bf16: the high halves of the lanes)
+    static const int16_t spread16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         0, 2, 0, 2, 0, 2, 0, 2, 0, 3, 0, 3, 0, 3, 0, 3};
+    const __m512i spread = _mm512_loadu_si512(spread16);
+    const __m512i spread32 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    i64 g = 0, gend = gs;  // gs > 32: the group of the chunk's first element and where it ends (no division)
+    for (i64 c = 0; c < C; c++) {
+        const i64 left = K - I8_CH * c;  // elements in this chunk: 128, or 32 / 64 / 96 at a row's end
+        const int full = left >= I8_CH;
+        const __m512i w = full ? _mm512_loadu_si512(qn + 64 * c)
+                               : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (left / 2)) - 1), qn + 64 * c);
+        __m512 sv;
+        if (gs > 32) {  // a multiple of 64: blocks 0-1 and 2-3 each within one group
+            while (I8_CH * c >= gend) g++, gend += gs;
+            const float s0 = load_scale(sn, kind, g);
+            const float s1 = left > 64 ? load_scale(sn, kind, I8_CH * c + 64 >= gend ? g + 1 : g) : 0.f;
+            sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+        } else {
+            const __mmask8 nb = (__mmask8)((1u << (full ? 4 : left / 32)) - 1);
+            const char* sb = sn + 4 * c * scale_size(kind);
+            if (kind == 1)
+                sv = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                    0xAAAAAAAAu, spread, _mm512_castsi128_si512(_mm_maskz_loadu_epi16(nb, sb))));
+            else if (kind == 0)
+                sv = _mm512_permutexvar_ps(spread32, _mm512_castps128_ps512(_mm_maskz_loadu_ps(nb, sb)));
+            else
+                sv = _mm512_permutexvar_ps(spread32, _mm512_castps128_ps512(_mm_cvtepi32_ps(
+                                                         _mm_cvtepi8_epi32(_mm_maskz_loadu_epi8(nb, sb)))));
+        }
+        __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+        if (cb) {
+            lo = _mm512_shuffle_epi8(lut, lo);
+            hi = _mm512_shuffle_epi8(lut, hi);
+        }
+        for (i64 m = 0; m < M; m++) {
+            const i8_chunk* xc = x + m * C + c;
+            __m512i s = _mm512_loadu_si512(xc->corr);
+            s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512(xc->lo));
+            s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xc->hi));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_loadu_ps(xc->dx)), acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#else
 // Row n of a weight (codes q, scales sc at the weight's start) against M activation rows (C chunks each): out[M].
 // A 32-byte chunk holds blocks 2c and 2c+1 (lanes 0-3, 4-7).
 static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const void* sc, const int kind, i64 K,
@@ -131,8 +216,10 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
     }
 }
 
+#endif
+
 static inline void i8_row_any(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint16_t* sup, int cb,
-                              __m256i lut, i64 n, const i8_chunk* x, i64 M, float* out) {
+                              i8_lut_t lut, i64 n, const i8_chunk* x, i64 M, float* out) {
     const i64 K = w->K, gs = w->gs;
 #define I8_KIND(c, k)                                                                  \
     if (cb) i8_row(q, sc, k, K, gs, 1, lut, n, x, c, out);                             \
@@ -152,9 +239,13 @@ static inline void i8_row_any(const moeq_wstack* w, const uint8_t* q, const void
 
 // A 4-bit codebook's values as an int8 table (repeated in each 128-bit lane) for vpshufb; returns 0 when a value is
 // not an integer in [-127, 127] (the kernels then decline). *cb = 0 for the plain grid value = code - 8 (Q4_0).
-static int i8_lut(const moeq_wstack* w, __m256i* lut, int* cb) {
+static int i8_lut(const moeq_wstack* w, i8_lut_t* lut, int* cb) {
     *cb = 0;
+#if defined(MOEQ_I8_512)
+    *lut = _mm512_setzero_si512();
+#else
     *lut = _mm256_setzero_si256();
+#endif
     if (!w->values) return 1;
     int8_t t[32];
     int plain = 1;
@@ -162,11 +253,19 @@ static int i8_lut(const moeq_wstack* w, __m256i* lut, int* cb) {
         const float v = w->values[i];
         if (!(v >= -127.f && v <= 127.f) || v != floorf(v)) return 0;
         plain &= v == (float)(i - 8);
+#if defined(MOEQ_I8_512)
+        t[i] = (int8_t)(uint8_t)((int)v + 128);  // the value + 128 as u8 (i8_offset)
+#else
         t[i] = t[16 + i] = (int8_t)(int)v;
+#endif
     }
     if (!plain) {
         *cb = 1;
+#if defined(MOEQ_I8_512)
+        *lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)t));
+#else
         *lut = _mm256_loadu_si256((const __m256i*)t);
+#endif
     }
     return 1;
 }
@@ -184,14 +283,14 @@ static int i8_supported(const moeq_wstack* w) {
 // or the activations are outside the kernels' domain, or a buffer cannot be had: the caller takes its default path.
 int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
 #if defined(MOEQ_I8)
-    __m256i lut;
+    i8_lut_t lut;
     int cb;
     if (m < 1 || m > 8 || !i8_supported(w) || !i8_lut(w, &lut, &cb)) return 0;
     const i64 N = w->N, K = w->K, C = i8_chunks(K), G = K / w->gs;
     i8_chunk* xq = (i8_chunk*)malloc((size_t)(m * C) * sizeof(i8_chunk));
     if (!xq) return 0;
     for (i64 r = 0; r < m; r++)
-        if (!i8_quantize_row(x + r * K, K, xq + r * C)) {
+        if (!i8_quantize_row(x + r * K, K, i8_offset(cb), xq + r * C)) {
             free(xq);
             return 0;
         }
@@ -220,7 +319,7 @@ static inline float silu_f(float v) { return v / (1.f + expf(-v)); }
 int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                         const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out) {
 #if defined(MOEQ_I8)
-    __m256i lut13, lut2;
+    i8_lut_t lut13, lut2;
     int cb13, cb2;
     if (!i8_supported(w13) || !i8_supported(w2) || !i8_lut(w13, &lut13, &cb13) || !i8_lut(w2, &lut2, &cb2) ||
         w13->K != H || w2->K != I || w13->N != 2 * I || w2->N != H)
@@ -247,7 +346,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
     for (i64 a = 0; ok && a < A; a++) {
         const i64 p0 = expert_start[act[a]], m = expert_start[act[a] + 1] - p0;
         for (i64 r = 0; r < m && ok; r++)
-            ok = i8_quantize_row(x + pair_tok[p0 + r] * H, H, xq + (a * 8 + r) * C1);
+            ok = i8_quantize_row(x + pair_tok[p0 + r] * H, H, i8_offset(cb13), xq + (a * 8 + r) * C1);
     }
     int ok2 = 1;
     if (ok) {
@@ -268,7 +367,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
                 for (i64 r = 0; r < m; r++) {
                     float* hr = h + (a * 8 + r) * I2;
                     for (i64 i = 0; i < I; i++) hr[i] = silu_f(hr[i]) * hr[I + i];
-                    if (!i8_quantize_row(hr, I, aq + (a * 8 + r) * C2)) {
+                    if (!i8_quantize_row(hr, I, i8_offset(cb2), aq + (a * 8 + r) * C2)) {
 #pragma omp atomic write
                         ok2 = 0;
                     }
