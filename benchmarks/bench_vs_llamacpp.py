@@ -126,16 +126,21 @@ def main() -> None:
                          "seconds": time.time() - t0})
             print(json.dumps(rows[-1]), flush=True)
         del model
+    report(rows, {"model": str(src), "threads": args.threads, "isa": args.isa, "cpu": bench.cpu_summary(),
+                  "moeq_simd_level": native.lib().moeq_simd_level(), "llama_bench": str(exe)}, out)
+
+
+def report(rows: list[dict], meta: dict, out: Path) -> None:
+    """The best round per method and system into ``out`` (JSON, with every round) and a Markdown table on stdout."""
     best = {}
     for r in rows:
         b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}, "roofline_tps": 0.0})
         b["roofline_tps"] = max(b["roofline_tps"], r["roofline_tps"])
         for sys_ in ("llama.cpp", "moeq", "moeq int8"):
             for k, v in r.get(sys_, {}).items():
-                b.setdefault(sys_, {})[k] = max(b[sys_].get(k, 0.0), v)
-    res = {"model": str(src), "threads": args.threads, "isa": args.isa, "cpu": bench.cpu_summary(),
-           "moeq_simd_level": native.lib().moeq_simd_level(), "llama_bench": str(exe), "rounds": rows, "best": best}
-    write_json(out, res)
+                cell = b.setdefault(sys_, {})
+                cell[k] = max(cell.get(k, 0.0), v)
+    write_json(out, {**meta, "rounds": rows, "best": best})
     keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "prefill 512"),
             ("prefill2048_tps", "prefill 2048")]
     print("\n| weights | " + " | ".join(f"{label} llama.cpp / moeq tok/s (ratio)" for _, label in keys)

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.skipif(not native.has_i8_dot(), reason="the int8-activa
 
 INT8_CFGS = [RTN(4, 32, grid="signed"), RTN(4, 32), RTN(4, 64), RTN(4, 128), RTN(4, 32, grid="iq4nl", search=2),
              RTN(4, 32, grid="iq4nl", search=2, double_quant=True)]
+VNNI = native.i8_level() >= 2  # AVX512-VNNI builds also take 8-bit symmetric weights (Q8_0)
+if VNNI:
+    INT8_CFGS += [RTN(8, 32, grid="signed"), RTN(8, 32), RTN(8, 128)]
 
 
 def q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,18 +121,20 @@ def test_moe_layer_equals_the_int8_numerics(cfg, t, dtype):
 
 
 def test_formats_outside_the_kernels_keep_the_default_numerics(caplog):
-    """Asymmetric RTN, 8-bit, NF4 and 3-bit weights: ``takes_int8`` says no, the plan keeps act_i8 off, outputs equal
-    the default path's, and set_activations names those modules in a warning."""
+    """Asymmetric RTN, NF4, 3-bit and 8-bit asymmetric (and, on AVX2 builds, 8-bit) weights: ``takes_int8`` says no,
+    the plan keeps act_i8 off, outputs equal the default path's, and set_activations names those modules in a
+    warning."""
     from torch import nn
 
-    cfgs = [RTN(4, 32, symmetric=False), RTN(8, 32), BNB4("nf4", 64, False), RTN(3, 32, grid="nl3")]
+    cfgs = [RTN(4, 32, symmetric=False), RTN(8, 32, symmetric=False), BNB4("nf4", 64, False), RTN(3, 32, grid="nl3")]
+    cfgs += [] if VNNI else [RTN(8, 32)]
     mods = [_linear(c, 64, 256, seed=j) for j, c in enumerate(cfgs)]
     x = torch.randn(1, 256).bfloat16()
     before = [m(x) for m in mods]
     model = nn.Sequential(*mods, _linear(RTN(4, 32, grid="signed"), 64, 256))
     with caplog.at_level(logging.WARNING, logger="moeq.api"):
         taken = moeq.set_activations(model, "int8")
-    assert taken["int8"] == ["4"] and taken["default"] == ["0", "1", "2", "3"]
+    assert taken["int8"] == [str(len(cfgs))] and taken["default"] == [str(j) for j in range(len(cfgs))]
     assert "keep the default numerics" in caplog.text
     for m, b in zip(mods, before):
         assert not moe_cpu.takes_int8(m.qweight) and torch.equal(m(x), b)

@@ -39,12 +39,18 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
 
 def takes_int8(w: PackedWeight) -> bool:
     """The int8-activation kernels (``moeq/native/csrc/i8.c``) take ``w``: RTN 4-bit symmetric (Q4_0, vLLM's int4) or
-    a 4-bit codebook with integer values in [-127, 127] (IQ4_NL), groups of 32 or multiples of 64, K % 32 == 0."""
+    a 4-bit codebook with integer values in [-127, 127] (IQ4_NL), and on AVX512-VNNI builds 8-bit symmetric RTN
+    (Q8_0; fp32 or bf16 scales); groups of 32 or multiples of 64, K % 32 == 0."""
     if not native.has_i8_dot() or not isinstance(w, RTNWeight) or w.zero is not None or len(w.shape) not in (2, 3):
         return False
     k = w.shape[-1]
     gs = k if w.group_size == -1 else w.group_size
-    if k % 32 or not (gs == 32 or (gs % 64 == 0 and k % gs == 0)) or w.bits != 4:
+    if k % 32 or not (gs == 32 or (gs % 64 == 0 and k % gs == 0)):
+        return False
+    if w.bits == 8:
+        return (native.i8_level() >= 2 and w.grid not in CODEBOOKS and w.scale_super is None
+                and w.scale.dtype in (torch.float32, torch.bfloat16))
+    if w.bits != 4:
         return False
     table = codebook_of(w, gs)
     if table is None or table == "signed":

@@ -225,9 +225,14 @@ def fast_bf16_matmul() -> bool:
 
 @functools.cache
 def has_i8_dot() -> bool:
-    """The library has the int8-activation decode kernels (AVX512-VNNI: ``activations="int8"``)."""
+    """The library has the int8-activation decode kernels (AVX2, or AVX512-VNNI: ``activations="int8"``)."""
+    return i8_level() > 0
+
+
+def i8_level() -> int:
+    """The int8-activation kernels built: 0 none, 1 AVX2 (4-bit weights), 2 AVX512-VNNI (4-bit and 8-bit)."""
     L = lib()
-    return bool(L is not None and L.moeq_has_i8_dot())
+    return int(L.moeq_has_i8_dot()) if L is not None else 0
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

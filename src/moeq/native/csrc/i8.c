@@ -13,8 +13,9 @@
 // codes as u8 against signed activations, the -8 folded into per-lane sums of the activations —, and 4-bit codebook
 // grids whose values are integers in [-127, 127] (IQ4_NL: one byte shuffle per 32 codes, then llama.cpp's sign trick
 // |x| * sign(v, x), which keeps every pair of products within int16); groups of 32 or multiples of 64; scales fp32,
-// bf16 or int8 codes with a bf16 row factor; K % 32 == 0. Not 8-bit: moeq's 8-bit codes span all 256 values, and
-// exact u8 x s8 products of those cost as many instructions per weight as the int16 rows they would replace.
+// bf16 or int8 codes with a bf16 row factor; K % 32 == 0. 8-bit symmetric RTN (value = scale * (code - 128):
+// llama.cpp's Q8_0 blocks) only on AVX512-VNNI, as linears: its codes span all 256 values, so the AVX2 rows would
+// need as many instructions per weight as the int16 rows they replace, where vpdpbusd takes them as they are.
 #include "moeq.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -25,8 +26,10 @@
 #define MOEQ_I8_512 1
 #endif
 
-int moeq_has_i8_dot(void) {
-#if defined(MOEQ_I8)
+int moeq_has_i8_dot(void) {  // 2: the AVX512-VNNI rows, which also take 8-bit weights
+#if defined(MOEQ_I8_512)
+    return 2;
+#elif defined(MOEQ_I8)
     return 1;
 #else
     return 0;
@@ -156,6 +159,106 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
     }
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
+
+// 8-bit rows: one 64-element chunk of a quantized activation row in element order, corr = -128 * (the lane's sum of
+// q), dx = the lane's block scale (lanes 0-7 / 8-15: blocks 2c, 2c+1).
+typedef struct {
+    int8_t q[64];
+    int32_t corr[16];
+    float dx[16];
+} i8_chunk8;
+
+static inline i64 i8_chunks8(i64 K) { return (K + 63) / 64; }
+
+static int i8_quantize_row8(const float* x, i64 K, i8_chunk8* out) {
+    memset(out, 0, (size_t)i8_chunks8(K) * sizeof(i8_chunk8));
+    for (i64 b = 0; b < K / 32; b++) {
+        const float* xb = x + 32 * b;
+        float amax = 0.f;
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            amax = fmaxf(amax, fabsf(xb[k]));
+            bad |= !isfinite(xb[k]);
+        }
+        if (bad) return 0;
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        for (int k = 0; k < 32; k++) {
+            const i64 e = 32 * b + k, j = e % 64;
+            const float v = isfinite(id) ? xb[k] * id : xb[k] / d;
+            const int q = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
+            i8_chunk8* ch = out + e / 64;
+            ch->q[j] = (int8_t)q;
+            ch->corr[j / 4] -= 128 * q;
+            ch->dx[j / 4] = d;
+        }
+    }
+    return 1;
+}
+
+static inline __attribute__((always_inline)) void i8_row8(const uint8_t* q, const void* sc, const int kind, i64 K,
+                                                          i64 gs, i64 n, const i8_chunk8* x, const i64 M,
+                                                          float* out) {
+    const i64 C = i8_chunks8(K), G = K / gs;
+    const uint8_t* qn = q + n * K;
+    const char* sn = (const char*)sc + n * G * scale_size(kind);
+    __m512 acc[8];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    i64 g = 0, gend = gs;
+    for (i64 c = 0; c < C; c++) {
+        const int full = 64 * (c + 1) <= K;  // else half a chunk (K % 32 == 0)
+        const __m512i w = full ? _mm512_loadu_si512(qn + 64 * c)
+                               : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(qn + 64 * c)));
+        __m512 sv;
+        if (gs == 32) {
+            const float s0 = load_scale(sn, kind, 2 * c), s1 = full ? load_scale(sn, kind, 2 * c + 1) : 0.f;
+            sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+        } else {  // a multiple of 64: the chunk within one group
+            while (64 * c >= gend) g++, gend += gs;
+            sv = _mm512_set1_ps(load_scale(sn, kind, g));
+        }
+        for (i64 m = 0; m < M; m++) {
+            const i8_chunk8* xc = x + m * C + c;
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc->corr), w, _mm512_loadu_si512(xc->q));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_loadu_ps(xc->dx)), acc[m]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+static inline void i8_row8_any(const moeq_wstack* w, const uint8_t* q, const void* sc, i64 n, const i8_chunk8* x,
+                               i64 M, float* out) {
+    const i64 K = w->K, gs = w->gs;
+#define I8_CASE(c)                                                                                          \
+    case c:                                                                                                 \
+        if (w->scale_bf16 == 1) i8_row8(q, sc, 1, K, gs, n, x, c, out);                                     \
+        else i8_row8(q, sc, 0, K, gs, n, x, c, out);                                                        \
+        break;
+    switch (M) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8) }
+#undef I8_CASE
+}
+
+// y[m, N] = x[m, K] @ W[e]^T for an 8-bit symmetric weight (fp32 or bf16 scales); 0 when outside the kernel.
+static int i8_gemv8(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
+    if (w->values || w->scale_super || w->scale_bf16 < 0 || w->scale_bf16 > 1) return 0;
+    const i64 N = w->N, K = w->K, C = i8_chunks8(K), G = K / w->gs;
+    i8_chunk8* xq = (i8_chunk8*)malloc((size_t)(m * C) * sizeof(i8_chunk8));
+    if (!xq) return 0;
+    for (i64 r = 0; r < m; r++)
+        if (!i8_quantize_row8(x + r * K, K, xq + r * C)) {
+            free(xq);
+            return 0;
+        }
+    const uint8_t* q = w->q + e * N * K;
+    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        float o[8];
+        i8_row8_any(w, q, sc, n, xq, m, o);
+        for (i64 r = 0; r < m; r++) y[r * N + n] = o[r];
+    }
+    free(xq);
+    return 1;
+}
 #else
 // Row n of a weight (codes q, scales sc at the weight's start) against M activation rows (C chunks each): out[M].
 // A 32-byte chunk holds blocks 2c and 2c+1 (lanes 0-3, 4-7).
@@ -271,8 +374,8 @@ static int i8_lut(const moeq_wstack* w, i8_lut_t* lut, int* cb) {
 }
 
 // Whether the kernels take this weight (see the top of the file).
-static int i8_supported(const moeq_wstack* w) {
-    if (!w->act_i8 || w->fmt != MOEQ_FMT_RTN || w->zero || w->K % 32 || w->bits != 4 || w->scale_bf16 < 0 ||
+static int i8_supported(const moeq_wstack* w, int bits) {
+    if (!w->act_i8 || w->fmt != MOEQ_FMT_RTN || w->zero || w->K % 32 || w->bits != bits || w->scale_bf16 < 0 ||
         w->scale_bf16 > 2)
         return 0;
     return w->gs == 32 || (w->gs % 64 == 0 && w->K % w->gs == 0);
@@ -285,7 +388,11 @@ int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
 #if defined(MOEQ_I8)
     i8_lut_t lut;
     int cb;
-    if (m < 1 || m > 8 || !i8_supported(w) || !i8_lut(w, &lut, &cb)) return 0;
+    if (m < 1 || m > 8) return 0;
+#if defined(MOEQ_I8_512)
+    if (i8_supported(w, 8)) return i8_gemv8(w, e, x, m, y);
+#endif
+    if (!i8_supported(w, 4) || !i8_lut(w, &lut, &cb)) return 0;
     const i64 N = w->N, K = w->K, C = i8_chunks(K), G = K / w->gs;
     i8_chunk* xq = (i8_chunk*)malloc((size_t)(m * C) * sizeof(i8_chunk));
     if (!xq) return 0;
@@ -321,7 +428,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
 #if defined(MOEQ_I8)
     i8_lut_t lut13, lut2;
     int cb13, cb2;
-    if (!i8_supported(w13) || !i8_supported(w2) || !i8_lut(w13, &lut13, &cb13) || !i8_lut(w2, &lut2, &cb2) ||
+    if (!i8_supported(w13, 4) || !i8_supported(w2, 4) || !i8_lut(w13, &lut13, &cb13) || !i8_lut(w2, &lut2, &cb2) ||
         w13->K != H || w2->K != I || w13->N != 2 * I || w2->N != H)
         return 0;
     i64 A = 0;
