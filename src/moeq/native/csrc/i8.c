@@ -66,24 +66,35 @@ static inline int i8_offset(int cb) { return (void)cb, 8; }
 
 static inline i64 i8_chunks(i64 K) { return (K + I8_CH - 1) / I8_CH; }
 
+// One block of 32 activations as Q8_0: q[32] and its scale *d; returns 0 when it holds NaN/Inf.
+static inline int i8_block(const float* xb, int* q, float* d) {
+    float amax = 0.f;
+    int bad = 0;
+    for (int k = 0; k < 32; k++) {
+        amax = fmaxf(amax, fabsf(xb[k]));
+        bad |= !isfinite(xb[k]);
+    }
+    if (bad) return 0;
+    *d = amax / 127.f;
+    const float id = *d > 0.f ? 1.f / *d : 0.f;
+    for (int k = 0; k < 32; k++) {
+        const float v = isfinite(id) ? xb[k] * id : xb[k] / *d;  // 1/d overflows for subnormal d
+        q[k] = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
+    }
+    return 1;
+}
+
 // x [K] fp32 as i8_chunks(K) chunks; returns 0 when x holds NaN/Inf (the caller takes the default path, which
 // carries them through as torch does).
 static int i8_quantize_row(const float* x, i64 K, int off, i8_chunk* out) {
     memset(out, 0, (size_t)i8_chunks(K) * sizeof(i8_chunk));
     for (i64 b = 0; b < K / 32; b++) {
-        const float* xb = x + 32 * b;
-        float amax = 0.f;
-        int bad = 0;
-        for (int k = 0; k < 32; k++) {
-            amax = fmaxf(amax, fabsf(xb[k]));
-            bad |= !isfinite(xb[k]);
-        }
-        if (bad) return 0;
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int qb[32];
+        float d;
+        if (!i8_block(x + 32 * b, qb, &d)) return 0;
         for (int k = 0; k < 32; k++) {
             const i64 e = 32 * b + k, j = (e % I8_CH) / 2;
-            const float v = isfinite(id) ? xb[k] * id : xb[k] / d;  // 1/d overflows for subnormal d
-            const int q = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
+            const int q = qb[k];
             i8_chunk* ch = out + e / I8_CH;
             if (e & 1)
                 ch->hi[j] = (int8_t)q;
@@ -173,19 +184,12 @@ static inline i64 i8_chunks8(i64 K) { return (K + 63) / 64; }
 static int i8_quantize_row8(const float* x, i64 K, i8_chunk8* out) {
     memset(out, 0, (size_t)i8_chunks8(K) * sizeof(i8_chunk8));
     for (i64 b = 0; b < K / 32; b++) {
-        const float* xb = x + 32 * b;
-        float amax = 0.f;
-        int bad = 0;
-        for (int k = 0; k < 32; k++) {
-            amax = fmaxf(amax, fabsf(xb[k]));
-            bad |= !isfinite(xb[k]);
-        }
-        if (bad) return 0;
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int qb[32];
+        float d;
+        if (!i8_block(x + 32 * b, qb, &d)) return 0;
         for (int k = 0; k < 32; k++) {
             const i64 e = 32 * b + k, j = e % 64;
-            const float v = isfinite(id) ? xb[k] * id : xb[k] / d;
-            const int q = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
+            const int q = qb[k];
             i8_chunk8* ch = out + e / 64;
             ch->q[j] = (int8_t)q;
             ch->corr[j / 4] -= 128 * q;
