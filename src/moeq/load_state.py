@@ -25,7 +25,7 @@ from moeq.errors import CheckpointNotFound, MoeqError
 from moeq.formats import PackedWeight
 from moeq.formats.base import check_finite
 from moeq.io.safetensors_io import Checkpoint
-from moeq.nn import QuantLinear, attention, decode
+from moeq.nn import QuantLinear, attention, decode, engine
 from moeq.nn.linear import canonicalize_head_input
 from moeq.record import quantization_config
 
@@ -191,6 +191,7 @@ def finish_model(model: nn.Module, unused: list[str], config) -> nn.Module:
     canonicalize_head_input(model)
     attention.use(model)
     decode.install(model)
+    engine.install(model)
     return model
 
 

@@ -32,7 +32,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -73,6 +73,16 @@ class Layer(ctypes.Structure):
                 ("renorm", ctypes.c_int), ("cast", ctypes.c_int), ("qk_full", ctypes.c_int), ("q", WStack),
                 ("k", WStack), ("v", WStack),
                 ("o", WStack), ("w13", WStack), ("w2", WStack)]
+
+
+class Model(ctypes.Structure):
+    """``moeq_model``: a whole MoE model described for ``moeq_decode_step``."""
+    _fields_ = [("layers", ctypes.POINTER(Layer)), ("L", ctypes.c_int64), ("H", ctypes.c_int64),
+                ("vocab", ctypes.c_int64), ("V", ctypes.c_int64), ("P", ctypes.c_int64), ("B", ctypes.c_int64),
+                ("Sc", ctypes.c_int64), ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("head", ctypes.c_void_p), ("hq", WStack), ("head_scratch", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kc", ctypes.POINTER(ctypes.c_void_p)),
+                ("vc", ctypes.POINTER(ctypes.c_void_p))]
 
 
 _P, _I, _INT, _F, _WS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.POINTER(WStack)
@@ -120,6 +130,9 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_layer_pre": (None, [_LAYER, _P, _I, _P, _P, _P, _P, _P]),
     "moeq_layer_attn": (_INT, [_LAYER, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P]),
     "moeq_layer_moe": (_INT, [_LAYER, _P, _P, _I, _P, _P, _P, _P]),
+    # model.c
+    "moeq_decode_step": (_I, [ctypes.POINTER(Model), _I, _P, _P, _I, _P, _I, _P, _P, _P, _P]),
+    "moeq_argmax_bf16": (None, [_P, _I, _I, _P, _I, _P]),
 }
 
 

@@ -21,8 +21,9 @@ void moeq_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, i64 rows, i64 n, fl
 // fp32): out[b, h] = softmax(scale q[b, h] . K[b, h / g] + mask[b]) V[b, h / g], g = Hq / Hkv. q [B, Hq, D],
 // k/v [B, Hkv, S, D], mask additive fp32 [B, S] or NULL, out [B, Hq, D] bf16. A row masked everywhere gives NaN,
 // as softmax does.
-void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* mask, i64 B, i64 Hq,
-                           i64 Hkv, i64 S, i64 D, float scale, uint16_t* out) {
+// Sc >= S: the caches' capacity (rows of k/v per head and of mask per sequence), S of them in use.
+static void attn_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* mask, i64 B, i64 Hq,
+                        i64 Hkv, i64 S, i64 Sc, i64 D, float scale, uint16_t* out) {
     const i64 g = Hq / Hkv;
 #pragma omp parallel
     {
@@ -32,15 +33,15 @@ void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
 #pragma omp for schedule(static)
         for (i64 t = 0; t < B * Hq; t++) {
             const i64 b = t / Hq, kh = (t % Hq) / g;
-            const uint16_t* kb = k + (b * Hkv + kh) * S * D;
-            const uint16_t* vb = v + (b * Hkv + kh) * S * D;
+            const uint16_t* kb = k + (b * Hkv + kh) * Sc * D;
+            const uint16_t* vb = v + (b * Hkv + kh) * Sc * D;
             for (i64 d = 0; d < D; d++) qf[d] = bf2f(q[t * D + d]);
             float mx = -INFINITY;
             for (i64 s = 0; s < S; s++) {
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                 for (i64 d = 0; d < D; d++) dot += qf[d] * bf2f(kb[s * D + d]);
-                const float sc = dot * scale + (mask ? mask[b * S + s] : 0.f);
+                const float sc = dot * scale + (mask ? mask[b * Sc + s] : 0.f);
                 p[s] = sc;
                 mx = sc > mx ? sc : mx;
             }
@@ -60,6 +61,11 @@ void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
         }
         free(p);
     }
+}
+
+void moeq_attn_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* mask, i64 B, i64 Hq,
+                           i64 Hkv, i64 S, i64 D, float scale, uint16_t* out) {
+    attn_decode(q, k, v, mask, B, Hq, Hkv, S, S, D, scale, out);
 }
 
 // RoPE for one token, in place: x [B, H, D] bf16 becomes x cos + rotate_half(x) sin with cos/sin [B, D] bf16,
@@ -86,7 +92,7 @@ void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const
 // kernels above and in moe.c with the rounding of transformers' bf16 forward at every step (each module output
 // rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
 
-static void qlinear(const moeq_wstack* w, const uint16_t* x, i64 B, const uint16_t* bias, uint16_t* y) {
+void moeq_qlinear_bf16(const moeq_wstack* w, const uint16_t* x, i64 B, const uint16_t* bias, uint16_t* y) {
     const i64 K = w->K, N = w->N;
     const i64 n = B * (K + N + 2 * K + K / 16 + 1) + N * K / 32 + 64;  // moeq_quant_linear_bf16's scratch
     float* s = (float*)malloc((size_t)n * sizeof(float));
@@ -102,9 +108,9 @@ void moeq_layer_pre(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
     uint16_t* h = (uint16_t*)malloc((size_t)(B * H) * sizeof(uint16_t));
     if (!h) return;
     moeq_rmsnorm_bf16(x, L->ln1, B, H, L->eps1, h);
-    qlinear(&L->q, h, B, L->bq, q);
-    qlinear(&L->k, h, B, L->bk, k);
-    qlinear(&L->v, h, B, L->bv, v);
+    moeq_qlinear_bf16(&L->q, h, B, L->bq, q);
+    moeq_qlinear_bf16(&L->k, h, B, L->bk, k);
+    moeq_qlinear_bf16(&L->v, h, B, L->bv, v);
     if (L->qn) {  // in place, row by row: per head, or over each token's whole projection
         moeq_rmsnorm_bf16(q, L->qn, L->qk_full ? B : B * L->Hq, L->qk_full ? L->Hq * D : D, L->eps_qk, q);
         moeq_rmsnorm_bf16(k, L->kn, L->qk_full ? B : B * L->Hkv, L->qk_full ? L->Hkv * D : D, L->eps_qk, k);
@@ -124,12 +130,19 @@ static void add_bf16(const uint16_t* a, const uint16_t* b, i64 n, uint16_t* y) {
 // tie order), then moeq_layer_moe. Returns 1 (nothing written) when a buffer cannot be had or H % 32 != 0.
 int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
                     const uint16_t* vals, i64 S, const float* mask, uint16_t* r1, uint16_t* n2, uint16_t* logits) {
+    return moeq_layer_attn_cached(L, x, B, q, keys, vals, S, S, mask, r1, n2, logits);
+}
+
+// moeq_layer_attn over caches of capacity Sc >= S (keys/values [B, Hkv, Sc, D], mask [B, Sc]).
+int moeq_layer_attn_cached(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
+                           const uint16_t* vals, i64 S, i64 Sc, const float* mask, uint16_t* r1, uint16_t* n2,
+                           uint16_t* logits) {
     const i64 H = L->H, D = L->D;
     uint16_t* ao = (uint16_t*)malloc((size_t)(B * L->Hq * D + B * H) * sizeof(uint16_t));
     if (!ao) return 1;
     uint16_t* o = ao + B * L->Hq * D;
-    moeq_attn_decode_bf16(q, keys, vals, mask, B, L->Hq, L->Hkv, S, D, L->scale, ao);
-    qlinear(&L->o, ao, B, L->bo, o);
+    attn_decode(q, keys, vals, mask, B, L->Hq, L->Hkv, S, Sc, D, L->scale, ao);
+    moeq_qlinear_bf16(&L->o, ao, B, L->bo, o);
     add_bf16(x, o, B * H, r1);
     moeq_rmsnorm_bf16(r1, L->ln2, B, H, L->eps2, n2);
     const int ok = moeq_bf16_gemv(n2, B, L->router, L->E, H, logits);

@@ -244,4 +244,30 @@ int moeq_layer_attn(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_
                     const uint16_t* vals, i64 S, const float* mask, uint16_t* r1, uint16_t* n2, uint16_t* logits);
 int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, i64 B, const i64* idx,
                    const float* wt, const uint16_t* extra, uint16_t* out);
+// internal (decode.c, for model.c)
+void moeq_qlinear_bf16(const moeq_wstack* w, const uint16_t* x, i64 B, const uint16_t* bias, uint16_t* y);
+int moeq_layer_attn_cached(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
+                           const uint16_t* vals, i64 S, i64 Sc, const float* mask, uint16_t* r1, uint16_t* n2,
+                           uint16_t* logits);
+// A whole MoE model for moeq_decode_step (model.c), mirrored by moeq.native.Model: its layers, bf16 token embedding,
+// final RMSNorm, output head (bf16, or a quantized weight with its moeq_quant_linear_bf16 scratch), RoPE tables of
+// P positions, and static KV caches of B sequences x Sc positions per layer.
+typedef struct {
+    const moeq_layer* layers;
+    i64 L, H, vocab, V, P, B, Sc;
+    const uint16_t* embed;          // [vocab, H]
+    const uint16_t* norm;           // [H]
+    float eps;
+    const uint16_t* head;           // [V, H] bf16, or NULL: hq
+    moeq_wstack hq;
+    float* head_scratch;
+    const uint16_t* cos;            // [P, D] bf16, as the model's rotary embedding gives them
+    const uint16_t* sin;
+    uint16_t* const* kc;            // L pointers to [B, Hkv, Sc, D] bf16
+    uint16_t* const* vc;
+} moeq_model;
+// ---- exports (model.c) ----
+i64 moeq_decode_step(const moeq_model* M, i64 B, const i64* tok, const i64* pos, i64 S, const float* mask, i64 l0,
+                     const i64* idx0, const float* wt0, uint16_t* state, uint16_t* logits);
+void moeq_argmax_bf16(const uint16_t* x, i64 B, i64 V, const i64* ban, i64 nban, i64* out);
 #endif
