@@ -73,10 +73,9 @@ def test_step_logits_match_the_models_own_steps(tiny_ckpt):
     m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
     eng = m._moeq_engine
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(3))
-    md, keep, caches = eng.describe(2, 12, 12)
+    md, keep, caches, state = eng.describe(2, 12, 12)
     am = torch.ones(2, 6, dtype=torch.int64)
     got0 = eng.prefill(ids[:, :6], am, caches)
-    state = torch.empty(2, 3 * md.H + max(c.E for c in keep[1]), dtype=torch.bfloat16)
     _own(m)
     cache = DynamicCache(config=m.config)
     with torch.no_grad():
@@ -147,8 +146,7 @@ def test_inputs_outside_the_loop(tiny_ckpt):
     assert engine._request(m, (ids.repeat(5, 1),), {}) is None
     assert engine._request(m, (ids,), {"max_new_tokens": 3, "do_sample": False}) is not None
     eng = m._moeq_engine
-    md, keep, caches = eng.describe(1, 8, 8)
-    state = torch.empty(1, 3 * md.H + max(c.E for c in keep[1]), dtype=torch.bfloat16)
+    md, keep, caches, state = eng.describe(1, 8, 8)
     for tok, pos in [(vocab, 0), (-1, 0), (1, 8)]:
         with pytest.raises(MoeqError):
             eng.step(md, torch.tensor([tok]), torch.tensor([pos]), 1, None, state)

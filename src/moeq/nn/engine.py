@@ -90,7 +90,8 @@ class Engine:
         return self._tables[1], self._tables[2]
 
     def describe(self, batch: int, capacity: int, positions: int):
-        """(native.Model, keep-alive, caches) for ``batch`` sequences of up to ``capacity`` tokens, or None."""
+        """(native.Model, keep-alive, caches, step state) for ``batch`` sequences of up to ``capacity`` tokens, or
+        None."""
         plans = [decode._layer_plan(mod) for mod in self.layers]
         head = self._head(batch)
         if any(p is None for p in plans) or head is None:
@@ -110,7 +111,8 @@ class Engine:
         if qhead is not None:
             m.hq, m.head_scratch = qhead[0][0], qhead[1].data_ptr()
         keep = (plans, cfgs, kc, vc, cos, sin, head)
-        return m, keep, caches
+        state = torch.empty(batch, 3 * m.H + max(c.E for c in cfgs), dtype=torch.bfloat16)  # moeq_decode_step's
+        return m, keep, caches, state
 
     def step(self, m, tokens: torch.Tensor, pos: torch.Tensor, s: int, mask: torch.Tensor | None,
              state: torch.Tensor) -> torch.Tensor:
@@ -159,7 +161,7 @@ class Engine:
         described = self.describe(b, t + new, t + new)
         if described is None:
             return None
-        m, keep, caches = described
+        m, keep, caches, state = described
         window = getattr(self.cfg, "sliding_window", None) if getattr(self.cfg, "use_sliding_window", True) else None
         if window is not None and t + new > window:
             return None
@@ -171,7 +173,6 @@ class Engine:
         valid = attention_mask.long().sum(-1)
         mask = torch.zeros(b, t + new)
         mask[:, :t].masked_fill_(attention_mask == 0, float("-inf"))
-        state = torch.empty(b, 3 * m.H + max(c.E for c in keep[1]), dtype=torch.bfloat16)
         done = torch.zeros(b, dtype=torch.bool)
         ban = torch.tensor(eos, dtype=torch.int64)
         out = []
@@ -266,10 +267,9 @@ def _probe(model: nn.Module, eng: Engine) -> bool:
         described = eng.describe(1, 4, 4)
         if described is None:
             return False
-        m, keep, caches = described
+        m, keep, caches, state = described
         if eng.prefill(ids[:, :3], am, caches) is None:
             return False
-        state = torch.empty(1, 3 * m.H + max(c.E for c in keep[1]), dtype=torch.bfloat16)
         got = eng.step(m, ids[0, 3:].contiguous(), torch.tensor([3]), 4, None, state)
     return decode._close(got.float(), ref.float())
 

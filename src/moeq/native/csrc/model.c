@@ -53,8 +53,7 @@ i64 moeq_decode_step(const moeq_model* M, i64 B, const i64* tok, const i64* pos,
                      const i64* idx0, const float* wt0, uint16_t* state, uint16_t* logits) {
     const i64 H = M->H;
     if (B < 1 || B > M->B || B > 8 || S < 1 || S > M->Sc || l0 < 0 || l0 >= M->L) return -2;
-    const moeq_layer* L0 = &M->layers[0];
-    const i64 D = L0->D, A = L0->topk;
+    const i64 D = M->layers[0].D;
     uint16_t *x = state, *r1 = x + B * H, *n2 = r1 + B * H, *rl = n2 + B * H;
     i64 maxq = 0, maxkv = 0, maxa = 0;
     for (i64 l = 0; l < M->L; l++) {
@@ -82,7 +81,6 @@ i64 moeq_decode_step(const moeq_model* M, i64 B, const i64* tok, const i64* pos,
             memcpy(x + b * H, M->embed + tok[b] * H, (size_t)H * sizeof(uint16_t));
         }
     }
-    (void)A;
     for (i64 l = l0; l < M->L; l++) {
         const moeq_layer* Ly = &M->layers[l];
         const i64* ri = idx;
