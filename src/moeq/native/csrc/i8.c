@@ -17,6 +17,7 @@
 // llama.cpp's Q8_0 blocks) only on AVX512-VNNI, as linears: its codes span all 256 values, so the AVX2 rows would
 // need as many instructions per weight as the int16 rows they replace, where vpdpbusd takes them as they are.
 #include "moeq.h"
+#include <float.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define MOEQ_I8 1
@@ -66,20 +67,33 @@ static inline int i8_offset(int cb) { return (void)cb, 8; }
 
 static inline i64 i8_chunks(i64 K) { return (K + I8_CH - 1) / I8_CH; }
 
-// One block of 32 activations as Q8_0: q[32] and its scale *d; returns 0 when it holds NaN/Inf.
+// One block of 32 activations as Q8_0: q[32] and its scale *d; returns 0 when it holds NaN/Inf. Vector form of
+// d = amax / 127, q = lrintf(clamp(x * (1 / d), -127, 127)): the same fp32 products, and vcvtps2dq rounds to nearest
+// even as lrintf does (no libm call per element).
 static inline int i8_block(const float* xb, int* q, float* d) {
-    float amax = 0.f;
-    int bad = 0;
-    for (int k = 0; k < 32; k++) {
-        amax = fmaxf(amax, fabsf(xb[k]));
-        bad |= !isfinite(xb[k]);
+    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX);
+    __m256 amax = _mm256_setzero_ps(), fin = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int k = 0; k < 32; k += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k));
+        fin = _mm256_and_ps(fin, _mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for NaN and Inf
+        amax = _mm256_max_ps(amax, a);
     }
-    if (bad) return 0;
-    *d = amax / 127.f;
+    if (_mm256_movemask_ps(fin) != 0xFF) return 0;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    *d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.f;
     const float id = *d > 0.f ? 1.f / *d : 0.f;
-    for (int k = 0; k < 32; k++) {
-        const float v = isfinite(id) ? xb[k] * id : xb[k] / *d;  // 1/d overflows for subnormal d
-        q[k] = (int)lrintf(fminf(fmaxf(v, -127.f), 127.f));
+    if (!isfinite(id)) {  // 1/d overflows for subnormal d: divide instead
+        for (int k = 0; k < 32; k++) {
+            const float v = xb[k] / *d;
+            q[k] = _mm_cvtss_si32(_mm_set_ss(v < -127.f ? -127.f : v > 127.f ? 127.f : v));
+        }
+        return 1;
+    }
+    const __m256 idv = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    for (int k = 0; k < 32; k += 8) {
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + k), idv), lo), hi);
+        _mm256_storeu_si256((__m256i*)(q + k), _mm256_cvtps_epi32(v));
     }
     return 1;
 }
@@ -325,7 +339,7 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
 
 #endif
 
-static inline void i8_row_any(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint16_t* sup, int cb,
+static inline __attribute__((always_inline)) void i8_row_any(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint16_t* sup, int cb,
                               i8_lut_t lut, i64 n, const i8_chunk* x, i64 M, float* out) {
     const i64 K = w->K, gs = w->gs;
 #define I8_KIND(c, k)                                                                  \
@@ -443,59 +457,77 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
     }
     const i64 I2 = 2 * I, C1 = i8_chunks(H), C2 = i8_chunks(I);
     const i64 G1 = H / w13->gs, G2 = I / w2->gs;
+    i64 T = 0;  // tokens: each one's activations quantized once, whatever its number of experts
+    for (i64 p = 0; p < expert_start[E]; p++) T = pair_tok[p] + 1 > T ? pair_tok[p] + 1 : T;
     i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
-    i8_chunk* xq = (i8_chunk*)malloc((size_t)(A * 8 * (C1 + C2) + 1) * sizeof(i8_chunk));
+    i8_chunk* tq = (i8_chunk*)malloc((size_t)(T * C1 + A * 8 * (C1 + C2) + 1) * sizeof(i8_chunk));
+    const i8_chunk** xa = (const i8_chunk**)malloc((size_t)(A + 1) * sizeof(i8_chunk*));
     float* h = (float*)malloc((size_t)(A * 8 * (I2 + H) + 1) * sizeof(float));
-    int ok = act && xq && h;
+    int ok = act && tq && xa && h;
     if (ok) {
         A = 0;
         for (i64 e = 0; e < E; e++)
             if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
     }
+    i8_chunk* xq = tq + T * C1;  // [A, 8, C1]: the rows of experts with more than one
     i8_chunk* aq = xq + A * 8 * C1;
     float* y = h + A * 8 * I2;
-    for (i64 a = 0; ok && a < A; a++) {
-        const i64 p0 = expert_start[act[a]], m = expert_start[act[a] + 1] - p0;
-        for (i64 r = 0; r < m && ok; r++)
-            ok = i8_quantize_row(x + pair_tok[p0 + r] * H, H, i8_offset(cb13), xq + (a * 8 + r) * C1);
-    }
-    int ok2 = 1;
+    int okx = 1, ok2 = 1;
     if (ok) {
 #pragma omp parallel
         {
 #pragma omp for schedule(static)
-            for (i64 t = 0; t < A * I2; t++) {
-                const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
-                float o[8];
-                i8_row_any(w13, w13->q + e * I2 * (H / 2),
-                           (const char*)w13->scale + e * I2 * G1 * scale_size(w13->scale_bf16),
-                           w13->scale_super ? w13->scale_super + e * I2 : NULL, cb13, lut13, n, xq + a * 8 * C1, m, o);
-                for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r];
-            }
+            for (i64 t = 0; t < T; t++)
+                if (!i8_quantize_row(x + t * H, H, i8_offset(cb13), tq + t * C1)) {
+#pragma omp atomic write
+                    okx = 0;
+                }
 #pragma omp for schedule(static)
             for (i64 a = 0; a < A; a++) {
-                const i64 m = expert_start[act[a] + 1] - expert_start[act[a]];
-                for (i64 r = 0; r < m; r++) {
-                    float* hr = h + (a * 8 + r) * I2;
-                    for (i64 i = 0; i < I; i++) hr[i] = silu_f(hr[i]) * hr[I + i];
-                    if (!i8_quantize_row(hr, I, i8_offset(cb2), aq + (a * 8 + r) * C2)) {
-#pragma omp atomic write
-                        ok2 = 0;
-                    }
+                const i64 p0 = expert_start[act[a]], m = expert_start[act[a] + 1] - p0;
+                if (m == 1) {
+                    xa[a] = tq + pair_tok[p0] * C1;
+                } else {
+                    xa[a] = xq + a * 8 * C1;
+                    for (i64 r = 0; r < m; r++)
+                        memcpy(xq + (a * 8 + r) * C1, tq + pair_tok[p0 + r] * C1, (size_t)C1 * sizeof(i8_chunk));
                 }
             }
+            if (okx) {
 #pragma omp for schedule(static)
-            for (i64 t = 0; t < A * H; t++) {
-                const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
-                float o[8];
-                i8_row_any(w2, w2->q + e * H * (I / 2),
-                           (const char*)w2->scale + e * H * G2 * scale_size(w2->scale_bf16),
-                           w2->scale_super ? w2->scale_super + e * H : NULL, cb2, lut2, n, aq + a * 8 * C2, m, o);
-                for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r];
+                for (i64 t = 0; t < A * I2; t++) {
+                    const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
+                    float o[8];
+                    i8_row_any(w13, w13->q + e * I2 * (H / 2),
+                               (const char*)w13->scale + e * I2 * G1 * scale_size(w13->scale_bf16),
+                               w13->scale_super ? w13->scale_super + e * I2 : NULL, cb13, lut13, n, xa[a], m, o);
+                    for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r];
+                }
+#pragma omp for schedule(static)
+                for (i64 a = 0; a < A; a++) {
+                    const i64 m = expert_start[act[a] + 1] - expert_start[act[a]];
+                    for (i64 r = 0; r < m; r++) {
+                        float* hr = h + (a * 8 + r) * I2;
+                        for (i64 i = 0; i < I; i++) hr[i] = silu_f(hr[i]) * hr[I + i];
+                        if (!i8_quantize_row(hr, I, i8_offset(cb2), aq + (a * 8 + r) * C2)) {
+#pragma omp atomic write
+                            ok2 = 0;
+                        }
+                    }
+                }
+#pragma omp for schedule(static)
+                for (i64 t = 0; t < A * H; t++) {
+                    const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
+                    float o[8];
+                    i8_row_any(w2, w2->q + e * H * (I / 2),
+                               (const char*)w2->scale + e * H * G2 * scale_size(w2->scale_bf16),
+                               w2->scale_super ? w2->scale_super + e * H : NULL, cb2, lut2, n, aq + a * 8 * C2, m, o);
+                    for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r];
+                }
             }
         }
     }
-    ok = ok && ok2;
+    ok = ok && okx && ok2;
     if (ok)  // the weighted sum in the pairs' order, as the other layer kernels
         for (i64 a = 0; a < A; a++) {
             const i64 p0 = expert_start[act[a]], m = expert_start[act[a] + 1] - p0;
@@ -507,7 +539,8 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
             }
         }
     free(act);
-    free(xq);
+    free(tq);
+    free(xa);
     free(h);
     return ok;
 #else
