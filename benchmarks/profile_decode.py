@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--activations", choices=["default", "int8"], default="default")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "profile_decode.json"))
     args = ap.parse_args()
     src = bench.write_model(Path.home() / ".cache" / "moeq-bench" / f"qwen3-30b-a3b-shape-{args.layers}L-v151936",
@@ -49,7 +50,8 @@ def main() -> None:
     moeq.set_activations(model, args.activations)
     eng = model._moeq_engine
     S = 64
-    m, keep, caches, state = eng.describe(1, S + args.steps + 2, S + args.steps + 2)
+    B = args.batch
+    m, keep, caches, state = eng.describe(B, S + args.steps + 2, S + args.steps + 2)
     L = native.lib()
     layers = eng.layers
     nl = len(layers)
@@ -57,37 +59,37 @@ def main() -> None:
     H, E, A = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
     lay = [ctypes.pointer(m.layers[i]) for i in range(nl)]
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(1, H, generator=g) * 0.5).to(torch.bfloat16)
+    x = (torch.randn(B, H, generator=g) * 0.5).to(torch.bfloat16)
     cs, sn = eng._rope(S + 1)
     cs, sn = cs[S:S + 1].contiguous(), sn[S:S + 1].contiguous()
     c0 = m.layers[0]
-    q = torch.empty(1, c0.Hq * c0.D, dtype=torch.bfloat16)
-    k = torch.empty(1, c0.Hkv * c0.D, dtype=torch.bfloat16)
+    q = torch.empty(B, c0.Hq * c0.D, dtype=torch.bfloat16)
+    k = torch.empty(B, c0.Hkv * c0.D, dtype=torch.bfloat16)
     v = torch.empty_like(k)
-    r1, n2, out = (torch.empty(1, H, dtype=torch.bfloat16) for _ in range(3))
-    rl = torch.empty(1, E, dtype=torch.bfloat16)
-    ao = (torch.randn(1, c0.Hq * c0.D, generator=g) * 0.5).to(torch.bfloat16)
-    o = torch.empty(1, H, dtype=torch.bfloat16)
-    logits = torch.empty(1, m.V, dtype=torch.bfloat16)
-    scratch = torch.empty(4 * (H + m.V) + (1 << 20))
+    r1, n2, out = (torch.empty(B, H, dtype=torch.bfloat16) for _ in range(3))
+    rl = torch.empty(B, E, dtype=torch.bfloat16)
+    ao = (torch.randn(B, c0.Hq * c0.D, generator=g) * 0.5).to(torch.bfloat16)
+    o = torch.empty(B, H, dtype=torch.bfloat16)
+    logits = torch.empty(B, m.V, dtype=torch.bfloat16)
+    scratch = torch.empty(4 * B * (H + m.V) + (1 << 20))
 
     def lin(ws, xin, y):
-        L.moeq_quant_linear_bf16(ctypes.byref(ws), xin.data_ptr(), 1, None, y.data_ptr(), scratch.data_ptr())
+        L.moeq_quant_linear_bf16(ctypes.byref(ws), xin.data_ptr(), B, None, y.data_ptr(), scratch.data_ptr())
 
     attn_b = sum(_bytes(getattr(layers[0].self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    exp_b = _bytes(layers[0].mlp.experts) * A // E
+    exp_b = _bytes(layers[0].mlp.experts) * min(E, B * A) // E  # at most; fewer where rows share an expert
     parts = {"q/k/v": 0.0, "attention": 0.0, "o": 0.0, "router": 0.0, "experts": 0.0, "head": 0.0}
     nbytes = {"q/k/v": nl * (attn_b - _bytes(layers[0].self_attn.o_proj)), "o": nl * _bytes(layers[0].self_attn.o_proj),
               "router": nl * _bytes(layers[0].mlp.gate), "experts": nl * exp_b, "head": _bytes(eng.head),
               "attention": 0}
     rounds = []
-    tok = torch.tensor([5])
+    tok = torch.full((B,), 5)
     for rnd in range(args.rounds):
         bw = bench.memory_bandwidth()
         # the whole step, as generate runs it
         t0 = time.perf_counter()
         for i in range(args.steps):
-            eng.step(m, tok, torch.tensor([S + i]), S + i + 1, None, state)
+            eng.step(m, tok, torch.full((B,), S + i), S + i + 1, None, state)
         step_ms = (time.perf_counter() - t0) / args.steps * 1e3
         # the same step in parts, each call timed
         t = dict.fromkeys(parts, 0.0)
@@ -98,15 +100,15 @@ def main() -> None:
                 lin(Ly.q, x, q), lin(Ly.k, x, k), lin(Ly.v, x, v)
                 t2 = time.perf_counter()
                 L.moeq_attn_decode_bf16(q.data_ptr(), caches[2 * li].data_ptr(), caches[2 * li + 1].data_ptr(), None,
-                                        1, Ly.Hq, Ly.Hkv, S, Ly.D, Ly.scale, ao.data_ptr())
+                                        B, Ly.Hq, Ly.Hkv, S, Ly.D, Ly.scale, ao.data_ptr())
                 t3 = time.perf_counter()
                 lin(Ly.o, ao, o)
                 t4 = time.perf_counter()
-                L.moeq_bf16_gemv(x.data_ptr(), 1, Ly.router, E, H, rl.data_ptr())
+                L.moeq_bf16_gemv(x.data_ptr(), B, Ly.router, E, H, rl.data_ptr())
                 t5 = time.perf_counter()
-                idx = torch.randperm(E, generator=g)[:A].contiguous()
-                wt = torch.full((A,), 1.0 / A)
-                L.moeq_layer_moe(lay[li], x.data_ptr(), x.data_ptr(), 1, idx.data_ptr(), wt.data_ptr(), None,
+                idx = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(B)]).contiguous()
+                wt = torch.full((B, A), 1.0 / A)
+                L.moeq_layer_moe(lay[li], x.data_ptr(), x.data_ptr(), B, idx.data_ptr(), wt.data_ptr(), None,
                                  out.data_ptr())
                 t6 = time.perf_counter()
                 for name, dt in zip(("q/k/v", "attention", "o", "router", "experts"), (t2 - t1, t3 - t2, t4 - t3,
@@ -114,9 +116,9 @@ def main() -> None:
                     t[name] += dt
             t1 = time.perf_counter()
             if m.head:
-                L.moeq_bf16_gemv(x.data_ptr(), 1, m.head, m.V, H, logits.data_ptr())
+                L.moeq_bf16_gemv(x.data_ptr(), B, m.head, m.V, H, logits.data_ptr())
             else:
-                L.moeq_quant_linear_bf16(ctypes.byref(m.hq), x.data_ptr(), 1, None, logits.data_ptr(),
+                L.moeq_quant_linear_bf16(ctypes.byref(m.hq), x.data_ptr(), B, None, logits.data_ptr(),
                                          m.head_scratch)
             t["head"] += time.perf_counter() - t1
         t = {n: v / args.steps * 1e3 for n, v in t.items()}
@@ -125,14 +127,14 @@ def main() -> None:
         print(json.dumps(rounds[-1]), flush=True)
     best = min(rounds, key=lambda r: r["step_ms"])
     bw = best["bandwidth_gbps"]
-    print(f"\n{args.method}, activations {args.activations}: step {best['step_ms']:.2f} ms "
-          f"({1e3 / best['step_ms']:.1f} tok/s), parts sum {sum(best['parts_ms'].values()):.2f} ms, probe {bw:.1f} GB/s")
+    print(f"\n{args.method}, batch {B}, activations {args.activations}: step {best['step_ms']:.2f} ms "
+          f"({B * 1e3 / best['step_ms']:.1f} tok/s), parts sum {sum(best['parts_ms'].values()):.2f} ms, probe {bw:.1f} GB/s")
     print("| part | ms/token | MB | GB/s | of probe |\n|---|---|---|---|---|")
     for n, ms in best["parts_ms"].items():
         mb = nbytes[n] / 1e6
         gbs = nbytes[n] / ms / 1e6 if ms else 0.0
         print(f"| {n} | {ms:.2f} | {mb:.0f} | {gbs:.1f} | {gbs / bw:.0%} |")
-    write_json(Path(args.out), {"method": args.method, "activations": args.activations, "cpu": bench.cpu_summary(),
+    write_json(Path(args.out), {"method": args.method, "batch": B, "activations": args.activations, "cpu": bench.cpu_summary(),
                                 "bytes": nbytes, "rounds": rounds})
 
 

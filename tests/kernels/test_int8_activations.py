@@ -67,6 +67,39 @@ def test_linear_equals_the_int8_numerics(cfg, k, m):
     assert torch.equal(mod(x).float(), default)  # and switching back rebuilds the plan
 
 
+@pytest.mark.skipif(not VNNI, reason="8-bit weights take int8 activations on AVX512-VNNI builds")
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [512, 576, 2048])  # 576: a partial last step of the scales (18 blocks)
+def test_q8_0_four_rows_equal_the_int8_numerics(scale_dtype, k):
+    """Four sequences through an 8-bit weight with groups of 32 (the 4-row kernel, which reduces the rows' sums before
+    converting them), described directly with bf16 or fp32 scales: llama.cpp's numerics, as one row at a time."""
+    import ctypes
+
+    g = torch.Generator().manual_seed(k)
+    n = 80
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(scale_dtype)
+    w = (codes.float() - 128).reshape(n, -1, 32) * scale.float()[..., None]
+    ws = native.WStack(fmt=0, q=codes.data_ptr(), scale=scale.data_ptr(), scale_bf16=int(scale_dtype == torch.bfloat16),
+                       bits=8, gs=32, spe=1, N=n, K=k, act_i8=1, dot_bf16=1)
+    L = native.lib()
+
+    def run(x):
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        scratch = torch.empty(8 * (k + n) * 4 + n * k // 32 + 4096)
+        L.moeq_quant_linear_bf16(ctypes.byref(ws), x.data_ptr(), x.shape[0], None, y.data_ptr(), scratch.data_ptr())
+        return y.float()
+
+    x = (torch.randn(4, k, generator=g) * torch.linspace(0.1, 4, 4)[:, None]).bfloat16()
+    x[2, :32] = 0  # an all-zero block: d = 0
+    y = run(x)
+    want = emulate(w.reshape(n, k), x).float()
+    assert ((y - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
+    assert (y == want.bfloat16().float()).float().mean() > 0.97
+    rows = torch.cat([run(x[i:i + 1].contiguous()) for i in range(4)])
+    assert ((y - rows).abs() <= rows.abs() * 2 ** -7 + 1e-6).all()
+
+
 def test_weight_and_activation_edge_values():
     """Zero, tiny (subnormal block scales), huge and NaN activations: the int8 rows follow the emulation; a NaN or
     infinite activation falls back to the default path, which carries it through."""
