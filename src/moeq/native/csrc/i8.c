@@ -133,7 +133,7 @@ static int i8_quantize_row(const float* x, i64 K, int off, i8_chunk* out) {
 // (cb) as u8 against the signed activations, the offset removed by the chunk's corr.
 static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const void* sc, const int kind, i64 K,
                                                          i64 gs, const int cb, __m512i lut, i64 n, const i8_chunk* x,
-                                                         const i64 M, float* out) {
+                                                         const i64 M, const float* dx4, float* out) {
     const i64 C = i8_chunks(K), G = K / gs;
     const uint8_t* qn = q + n * (K / 2);
     const char* sn = (const char*)sc + n * G * scale_size(kind);
@@ -174,6 +174,19 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
             lo = _mm512_shuffle_epi8(lut, lo);
             hi = _mm512_shuffle_epi8(lut, hi);
         }
+        if (M == 4 && dx4) {  // four rows: their block sums reduced into one vector first (i8_row8_x4)
+            __m512i s[4];
+            for (i64 m = 0; m < 4; m++) {
+                const i8_chunk* xc = x + m * C + c;
+                const __m512i t = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc->corr), lo, _mm512_loadu_si512(xc->lo));
+                s[m] = _mm512_dpbusd_epi32(t, hi, _mm512_loadu_si512(xc->hi));
+            }
+            const __m512i u01 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
+            const __m512i u23 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
+            const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(u01, u23), _mm512_unpackhi_epi64(u01, u23));
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sv, _mm512_loadu_ps(dx4 + 16 * c)), acc[0]);
+            continue;
+        }
         for (i64 m = 0; m < M; m++) {
             const i8_chunk* xc = x + m * C + c;
             __m512i s = _mm512_loadu_si512(xc->corr);
@@ -181,6 +194,12 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
             s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xc->hi));
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_loadu_ps(xc->dx)), acc[m]);
         }
+    }
+    if (M == 4 && dx4) {  // lane 4L + r: row r's sum over block L of each chunk
+        float a[16];
+        _mm512_storeu_ps(a, acc[0]);
+        for (i64 r = 0; r < 4; r++) out[r] = a[r] + a[4 + r] + a[8 + r] + a[12 + r];
+        return;
     }
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
@@ -378,7 +397,8 @@ static int i8_gemv8(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y
 // A 32-byte chunk holds blocks 2c and 2c+1 (lanes 0-3, 4-7).
 static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const void* sc, const int kind, i64 K,
                                                          i64 gs, const int cb, __m256i lut, i64 n, const i8_chunk* x,
-                                                         const i64 M, float* out) {
+                                                         const i64 M, const float* dx4, float* out) {
+    (void)dx4;  // the AVX512 rows' 4-row form only
     const i64 C = i8_chunks(K), G = K / gs;
     const uint8_t* qn = q + n * (K / 2);
     const char* sn = (const char*)sc + n * G * scale_size(kind);
@@ -436,11 +456,11 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
 #endif
 
 static inline __attribute__((always_inline)) void i8_row_any(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint16_t* sup, int cb,
-                              i8_lut_t lut, i64 n, const i8_chunk* x, i64 M, float* out) {
+                              i8_lut_t lut, i64 n, const i8_chunk* x, i64 M, const float* dx4, float* out) {
     const i64 K = w->K, gs = w->gs;
 #define I8_KIND(c, k)                                                                  \
-    if (cb) i8_row(q, sc, k, K, gs, 1, lut, n, x, c, out);                             \
-    else i8_row(q, sc, k, K, gs, 0, lut, n, x, c, out);
+    if (cb) i8_row(q, sc, k, K, gs, 1, lut, n, x, c, dx4, out);                        \
+    else i8_row(q, sc, k, K, gs, 0, lut, n, x, c, dx4, out);
 #define I8_CASE(c)                                                                     \
     case c:                                                                            \
         if (w->scale_bf16 == 1) { I8_KIND(c, 1) }                                      \
@@ -518,12 +538,19 @@ int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
     const uint8_t* q = w->q + e * N * (K / 2);
     const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
+    float* dx4 = NULL;
+#if defined(MOEQ_I8_512)
+    if (m == 4 && (dx4 = (float*)malloc((size_t)(16 * C) * sizeof(float))))  // lane 4L + r: row r's block 4c + L
+        for (i64 c = 0; c < C; c++)
+            for (int l = 0; l < 16; l++) dx4[16 * c + l] = xq[(l % 4) * C + c].dx[(l / 4) * 4];
+#endif
 #pragma omp parallel for schedule(static)
     for (i64 n = 0; n < N; n++) {
         float o[8];
-        i8_row_any(w, q, sc, sup, cb, lut, n, xq, m, o);
+        i8_row_any(w, q, sc, sup, cb, lut, n, xq, m, dx4, o);
         for (i64 r = 0; r < m; r++) y[r * N + n] = o[r];
     }
+    free(dx4);
     free(xq);
     return 1;
 #else
@@ -596,7 +623,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
                     float o[8];
                     i8_row_any(w13, w13->q + e * I2 * (H / 2),
                                (const char*)w13->scale + e * I2 * G1 * scale_size(w13->scale_bf16),
-                               w13->scale_super ? w13->scale_super + e * I2 : NULL, cb13, lut13, n, xa[a], m, o);
+                               w13->scale_super ? w13->scale_super + e * I2 : NULL, cb13, lut13, n, xa[a], m, NULL, o);
                     for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r];
                 }
 #pragma omp for schedule(static)
@@ -617,7 +644,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
                     float o[8];
                     i8_row_any(w2, w2->q + e * H * (I / 2),
                                (const char*)w2->scale + e * H * G2 * scale_size(w2->scale_bf16),
-                               w2->scale_super ? w2->scale_super + e * H : NULL, cb2, lut2, n, aq + a * 8 * C2, m, o);
+                               w2->scale_super ? w2->scale_super + e * H : NULL, cb2, lut2, n, aq + a * 8 * C2, m, NULL, o);
                     for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r];
                 }
             }
