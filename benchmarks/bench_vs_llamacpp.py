@@ -75,7 +75,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="the bench checkpoint (default: written by moeq.bench, cached)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--methods", nargs="+", default=["q4_0"], help="methods, or METHOD+head:HEAD (see quant_config)")
+    ap.add_argument("--methods", nargs="+", default=["q4_0"],
+                    help="methods, or METHOD+head:HEAD (see quant_config); OURS=THEIRS pairs different weights, e.g. "
+                         "rtn-int4+head:q8_0=q4_0+head:q8_0 (moeq's rtn-int4 preset against llama.cpp's Q4_0)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--llama-bench", default=None)
@@ -101,8 +103,14 @@ def main() -> None:
         Path.home() / ".cache" / "moeq-bench" / f"qwen3-30b-a3b-shape-{args.layers}L-v151936", args.layers)
     rows = []
     for method in args.methods:
-        gguf = CACHE / f"bench-{args.layers}L-{method.replace(':', '-')}.gguf"
-        model = moeq.load(src, quant=quant_config(method), progress=False)
+        ours, _, theirs = method.partition("=")
+        theirs = theirs or ours
+        gguf = CACHE / f"bench-{args.layers}L-{theirs.replace(':', '-')}.gguf"
+        model = moeq.load(src, quant=quant_config(ours), progress=False)
+        top_k = model.config.get_text_config().num_experts_per_tok
+        bpt = bench.bytes_per_token(model, top_k)  # the weight bytes a batch-1 token reads
+        other = model if theirs == ours else moeq.load(src, quant=quant_config(theirs), progress=False)
+        bpt_theirs = bench.bytes_per_token(other, top_k)  # the same GGUF weights when the pair is one method
         if not gguf.exists():
             tok = src
             if not (src / "tokenizer.json").exists():  # the bench model has random weights and no tokenizer: a
@@ -110,9 +118,8 @@ def main() -> None:
 
                 tok = CACHE / "bench-tokenizer"
                 tiny_tokenizer().save_pretrained(tok)
-            export(model, gguf, "gguf", source=tok, check=False)  # lossless by construction (q4_0/q8_0)
-        top_k = model.config.get_text_config().num_experts_per_tok
-        bpt = bench.bytes_per_token(model, top_k)  # the weight bytes a batch-1 token reads (the same GGUF weights)
+            export(other, gguf, "gguf", source=tok, check=False)  # lossless by construction (q4_0/q8_0)
+        del other
         for rnd in range(args.rounds):
             t0 = time.time()
             bw = bench.memory_bandwidth()
@@ -123,6 +130,7 @@ def main() -> None:
                 row["moeq" if mode == "default" else "moeq int8"] = moeq_measure(model, prefill=mode == "default")
             bw = max(bw, bench.memory_bandwidth())  # probed around both systems' runs in this round
             rows.append({**row, "bandwidth_gbps": bw / 1e9, "bytes_per_token": bpt, "roofline_tps": bw / bpt,
+                         "bytes_per_token_llama.cpp": bpt_theirs, "roofline_tps_llama.cpp": bw / bpt_theirs,
                          "seconds": time.time() - t0})
             print(json.dumps(rows[-1]), flush=True)
         del model
@@ -134,8 +142,9 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
     """The best round per method and system into ``out`` (JSON, with every round) and a Markdown table on stdout."""
     best = {}
     for r in rows:
-        b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}, "roofline_tps": 0.0})
+        b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}, "roofline_tps": 0.0, "roofline_tps_llama.cpp": 0.0})
         b["roofline_tps"] = max(b["roofline_tps"], r["roofline_tps"])
+        b["roofline_tps_llama.cpp"] = max(b["roofline_tps_llama.cpp"], r.get("roofline_tps_llama.cpp", r["roofline_tps"]))
         for sys_ in ("llama.cpp", "moeq", "moeq int8"):
             for k, v in r.get(sys_, {}).items():
                 cell = b.setdefault(sys_, {})
@@ -152,11 +161,14 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
             lc, mq = b["llama.cpp"], b[sys_]
             cells = [f"{lc[k]:.1f} / {mq[k]:.1f} ({mq[k] / lc[k]:.2f})" if k in lc and k in mq else "n/a"
                      for k, _ in keys]
-            roof = b["roofline_tps"]
-            head = method.partition("+head:")[2] or "bf16"
+            roof, roof_lc = b["roofline_tps"], b["roofline_tps_llama.cpp"]
+            ours, _, theirs = method.partition("=")
+            head = ours.partition("+head:")[2] or "bf16"
             act = ", int8 activations" if sys_ == "moeq int8" else ""
-            print(f"| {method.partition('+head:')[0]}, {head} lm_head{act} | " + " | ".join(cells)
-                  + f" | {roof:.0f} ({lc['decode_tps'] / roof:.0%} / {mq['decode_tps'] / roof:.0%}) |")
+            vs = f" (llama.cpp: {theirs})" if theirs else ""
+            roofs = f"{roof:.0f}" if round(roof) == round(roof_lc) else f"{roof_lc:.0f} / {roof:.0f}"
+            print(f"| {ours.partition('+head:')[0]}, {head} lm_head{act}{vs} | " + " | ".join(cells)
+                  + f" | {roofs} ({lc['decode_tps'] / roof_lc:.0%} / {mq['decode_tps'] / roof:.0%}) |")
 
 
 if __name__ == "__main__":
