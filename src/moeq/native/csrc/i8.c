@@ -561,6 +561,16 @@ int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
 
 static inline float silu_f(float v) { return v / (1.f + expf(-v)); }
 
+#if defined(MOEQ_I8)
+// Row n of expert e of a 4-bit stack [E, N, K] against m activation rows.
+static inline __attribute__((always_inline)) void i8_expert_row(const moeq_wstack* w, i64 e, int cb, i8_lut_t lut,
+                                                                i64 n, const i8_chunk* x, i64 m, float* o) {
+    const i64 N = w->N, K = w->K;
+    i8_row_any(w, w->q + e * N * (K / 2), (const char*)w->scale + e * N * (K / w->gs) * scale_size(w->scale_bf16),
+               w->scale_super ? w->scale_super + e * N : NULL, cb, lut, n, x, m, NULL, o);
+}
+#endif
+
 // A decode step's MoE layer with int8 activations, parallel across experts (moeq_moe_forward_rtn4_bf16's structure):
 // pairs grouped by expert (expert_start), at most 8 rows per expert. Returns 0 (out untouched) outside the kernels'
 // domain or without memory.
@@ -579,7 +589,6 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
         A += m > 0;
     }
     const i64 I2 = 2 * I, C1 = i8_chunks(H), C2 = i8_chunks(I);
-    const i64 G1 = H / w13->gs, G2 = I / w2->gs;
     i64 T = 0;  // tokens: each one's activations quantized once, whatever its number of experts
     for (i64 p = 0; p < expert_start[E]; p++) T = pair_tok[p] + 1 > T ? pair_tok[p] + 1 : T;
     i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
@@ -621,9 +630,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
                 for (i64 t = 0; t < A * I2; t++) {
                     const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
                     float o[8];
-                    i8_row_any(w13, w13->q + e * I2 * (H / 2),
-                               (const char*)w13->scale + e * I2 * G1 * scale_size(w13->scale_bf16),
-                               w13->scale_super ? w13->scale_super + e * I2 : NULL, cb13, lut13, n, xa[a], m, NULL, o);
+                    i8_expert_row(w13, e, cb13, lut13, n, xa[a], m, o);
                     for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r];
                 }
 #pragma omp for schedule(static)
@@ -642,9 +649,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
                 for (i64 t = 0; t < A * H; t++) {
                     const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
                     float o[8];
-                    i8_row_any(w2, w2->q + e * H * (I / 2),
-                               (const char*)w2->scale + e * H * G2 * scale_size(w2->scale_bf16),
-                               w2->scale_super ? w2->scale_super + e * H : NULL, cb2, lut2, n, aq + a * 8 * C2, m, NULL, o);
+                    i8_expert_row(w2, e, cb2, lut2, n, aq + a * 8 * C2, m, o);
                     for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r];
                 }
             }
