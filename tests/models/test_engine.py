@@ -115,6 +115,30 @@ def test_int8_activations_take_the_native_loop(tiny_ckpt, monkeypatch):
     assert torch.equal(fast, type(m).generate(m, ids, **kw))
 
 
+@pytest.mark.parametrize("act", ["default", "int8"])
+def test_a_q8_0_head_decodes_through_its_16_row_copy(tiny_ckpt, act, monkeypatch):
+    """An 8-bit head gets its decode copy by 16 output rows when the loop is installed (the head's forward and the
+    native step share it: same tokens as transformers' generate on moeq's modules); without the loop, none."""
+    from moeq.config import QuantConfig, method
+    from moeq.kernels import cpu_ops
+
+    cfg = QuantConfig(method("q4_0"), rules={"lm_head": method("q8_0")})
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant=cfg, progress=False)
+    moeq.set_activations(m, act)
+    calls = _steps(monkeypatch)
+    ids, am = _batch()
+    kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    fast = m.generate(ids, **kw)
+    assert calls["step"] == 7
+    stack = cpu_ops._linear_plan(m.lm_head)[0]
+    if native.lib().moeq_rows16_size(stack):
+        assert stack.rows16 and stack.rows16_layout == (2 if act == "int8" and native.i8_level() >= 2 else 1)
+    assert torch.equal(fast, type(m).generate(m, ids, **kw))
+    m.__dict__.pop("generate")
+    m.lm_head.__dict__.pop(cpu_ops.ROWS16)
+    assert cpu_ops._linear_plan(m.lm_head)[0].rows16 is None
+
+
 @pytest.mark.parametrize("kw", [dict(do_sample=True), dict(num_beams=2), dict(output_scores=True,
                                                                              return_dict_in_generate=True),
                                 dict(repetition_penalty=1.3), dict(logits_processor=[])])

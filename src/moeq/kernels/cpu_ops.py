@@ -21,6 +21,7 @@ MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight r
 ROWS_SMALL_WEIGHT = 4
 ROWS_LARGE_WEIGHT = 24
 LARGE_WEIGHT = 1 << 25  # elements
+ROWS16 = "_moeq_rows16"  # a module attribute: True gives its plan the decode copy by 16 rows (set on decode heads)
 
 
 def rows_limit(w) -> int:
@@ -121,11 +122,13 @@ def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int,
 def _linear_plan(module) -> tuple | None:
     """A quantized linear's weight described for ``moeq_quant_linear_bf16`` (and its scratch size), built once and
     reused while its buffers stay the same tensors (``.to()``, reloading or re-quantizing replaces them and so
-    rebuilds the plan); None when the weight is outside the native formats."""
+    rebuilds the plan); None when the weight is outside the native formats. A module marked with
+    :data:`ROWS16` (the native decode engine's head) also gets its decode copy (:func:`_attach_rows16`)."""
     bias = module.bias
     act = getattr(module, "activations", "default") == "int8"
+    r16 = bool(getattr(module, ROWS16, False))
     key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
-        None if bias is None else (bias.data_ptr(), bias.dtype), act)
+        None if bias is None else (bias.data_ptr(), bias.dtype), act, r16)
     slot = native.plan_slot(module, "_linear_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
@@ -136,8 +139,29 @@ def _linear_plan(module) -> tuple | None:
         n, k = w.shape
         extra = n * k // stack.gs if stack.fmt == Fmt.BNB4 else 0  # NF4/FP4: the block scales, resolved per call
         plan = (stack, keep, n, k, min(MAX_ROWS, rows_limit(w)), 2 * k + k // 16 + 1, extra)
+        if r16:
+            _attach_rows16(stack, keep)
     slot.value = (key, plan)
     return plan
+
+
+def _attach_rows16(stack, keep: list) -> bool:
+    """Give an 8-bit symmetric weight's description a second copy of its codes interleaved by 16 output rows
+    (``native/csrc/rows16.c``), in the layout of the numerics it runs (int8 activations or the default), which its
+    gemv then takes at up to 8 rows: 1.2-3x the row-major kernel on a 151936x2048 Q8_0 head. Costs the weight's
+    size again in memory, so moeq builds it for the output head only. False (nothing attached) where the build has
+    no such kernel or the weight is outside its domain."""
+    L = native.lib()
+    size = L.moeq_rows16_size(ctypes.byref(stack)) if L is not None else 0
+    if size <= 0:
+        return False
+    buf = torch.empty(size, dtype=torch.uint8)
+    layout = 2 if stack.act_i8 else 1
+    if not L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
+        return False
+    stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
+    keep.append(buf)
+    return True
 
 
 def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:

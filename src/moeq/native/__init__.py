@@ -32,7 +32,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -60,7 +60,8 @@ class WStack(ctypes.Structure):
                 ("zero", ctypes.c_void_p), ("bits", ctypes.c_int), ("gs", ctypes.c_int64), ("code", ctypes.c_void_p),
                 ("offset", ctypes.c_void_p), ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p),
                 ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("values", ctypes.c_void_p),
-                ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p), ("act_i8", ctypes.c_int)]
+                ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p), ("act_i8", ctypes.c_int),
+                ("rows16", ctypes.c_void_p), ("rows16_layout", ctypes.c_int)]
 
 
 class Layer(ctypes.Structure):
@@ -118,6 +119,10 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_cb4_gemv_bf16": (_INT, [_P, _I, _P, _P, _INT, _P, _P, _I, _I, _I, _INT, _P]),
     "moeq_cb4_gemv": (None, [_P, _I, _P, _P, _INT, _P, _P, _I, _I, _I, _INT, _P]),
     "moeq_int8_gemv": (None, [_P, _I, _P, _P, _I, _I, _P]),
+    # rows16.c
+    "moeq_rows16_size": (_I, [_WS]),
+    "moeq_rows16_pack": (_INT, [_WS, _INT, _P]),
+    "moeq_rows16_gemv": (_INT, [_WS, _P, _I, _P]),
     # moe.c
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),

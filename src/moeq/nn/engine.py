@@ -282,13 +282,19 @@ def install(model: nn.Module) -> bool:
     parts = _parts(model)
     if parts is None:
         return False
+    from moeq.kernels import cpu_ops  # noqa: PLC0415
+
     eng = Engine(model, parts)
+    head = parts[4]
+    if hasattr(head, "qweight"):  # the head's decode copy by 16 rows (its forward and the step share the plan)
+        setattr(head, cpu_ops.ROWS16, True)
     try:
         ok = _probe(model, eng)
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, MoeqError) as e:
         log.debug("no native decode loop: %s", e)
         ok = False
     if not ok:
+        head.__dict__.pop(cpu_ops.ROWS16, None)
         return False
     model._moeq_engine = eng
     model.generate = types.MethodType(_Generate.generate, model)

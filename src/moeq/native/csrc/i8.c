@@ -98,6 +98,8 @@ static inline int i8_block(const float* xb, int* q, float* d) {
     return 1;
 }
 
+int moeq_q8_block(const float* x, int* q, float* d) { return i8_block(x, q, d); }
+
 // x [K] fp32 as i8_chunks(K) chunks; returns 0 when x holds NaN/Inf (the caller takes the default path, which
 // carries them through as torch does).
 static int i8_quantize_row(const float* x, i64 K, int off, i8_chunk* out) {

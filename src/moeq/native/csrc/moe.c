@@ -21,6 +21,7 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
+    if (w->rows16 && e == 0 && moeq_rows16_gemv(w, x, m, y)) return;      // a decode copy by 16 output rows (head)
     if (w->act_i8 && moeq_i8_gemv(w, e, x, m, y)) return;                  // the int8-activation option
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
     if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 3/4/5-bit codebook grid

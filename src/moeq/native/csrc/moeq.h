@@ -127,6 +127,37 @@ static inline void load_group(const void* w, int bf16, i64 base, i64 n, float* b
     }
 }
 
+// Activations as int16 per 32-chunk, scaled by a power of two so that the chunk's largest lands in [2^14, 2^15): a bf16
+// value has 8 significant bits, so every element within 2^7 of its chunk's largest is exact and the rest are off by at
+// most 2^-16 of it (the AVX512 8-bit kernel's numerics); fp32 inputs are off by at most 2^-16 of their chunk's largest.
+// sx[c] = the chunk's scale, NaN for a chunk holding NaN/Inf (its outputs come out NaN), 0 for an all-zero one.
+// split: each chunk as its 16 even elements then its 16 odd ones (the low / high nibbles of 16 packed bytes).
+static inline void x_to_i16_32(const float* x, i64 K, int split, int16_t* xq, float* sx) {
+    for (i64 c = 0; c < K; c += 32) {
+        float amax = 0.f;
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            const float a = fabsf(x[c + k]);
+            bad |= !(a <= 3.402823466e38f);
+            amax = a > amax ? a : amax;
+        }
+        if (bad || amax < 1e-30f) {
+            memset(xq + c, 0, 32 * sizeof(int16_t));
+            sx[c / 32] = bad ? NAN : 0.f;
+            continue;
+        }
+        int e;
+        frexpf(amax, &e);
+        const float inv = ldexpf(1.f, 15 - e);
+        for (int k = 0; k < 32; k++) {
+            long v = lrintf(x[c + k] * inv);
+            v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;  // fp32 inputs may round up to 2^15
+            xq[c + (split ? (k & 1) * 16 + (k >> 1) : k)] = (int16_t)v;
+        }
+        sx[c / 32] = ldexpf(1.f, e - 15);
+    }
+}
+
 // The packed-weight formats the fused kernels take (mirrored by moeq.native.Fmt).
 enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1 };
 
@@ -151,6 +182,8 @@ typedef struct {
     const uint16_t* lut;         // ... and as bf16 (32 words: the table repeated), for the AVX512-BF16 kernels
     const uint16_t* scale_super; // RTN scale kind 2 (int8 codes): the bf16 row factor [E, N]
     int act_i8;                  // decode with int8 activations where i8.c takes the weight (the explicit option)
+    const uint8_t* rows16;       // one 8-bit weight interleaved by 16 output rows for decode (rows16.c) or NULL
+    int rows16_layout;           // ... its layout: 1 int16 activations (default numerics), 2 int8 (act_i8)
 } moeq_wstack;
 
 // ---- exports (quants.c) ----
@@ -202,8 +235,13 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
 // ---- exports (i8.c) ----
 int moeq_has_i8_dot(void);
 int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y);
+int moeq_q8_block(const float* x, int* q, float* d);  // internal: one Q8_0 block of activations (0: NaN/Inf)
 int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                         const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
+// ---- exports (rows16.c) ----
+i64 moeq_rows16_size(const moeq_wstack* w);
+int moeq_rows16_pack(const moeq_wstack* w, int layout, uint8_t* out);
+int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y);
 // ---- exports (moe.c) ----
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
                             float* scratch);

@@ -189,36 +189,7 @@ static inline __attribute__((always_inline)) void rtn_row_avx2(
 }
 
 // ---- bf16 models: int16 activations (vpmaddwd, 16 multiply-adds per instruction) ----
-// x as int16 per 32-chunk, scaled by a power of two so that the chunk's largest lands in [2^14, 2^15): a bf16 value
-// has 8 significant bits, so every element within 2^7 of its chunk's largest is exact and the rest are off by at most
-// 2^-16 of it (the AVX512 8-bit kernel's numerics); fp32 inputs are off by at most 2^-16 of their chunk's largest.
-// sx[c] = the chunk's scale, NaN for a chunk holding NaN/Inf (its outputs come out NaN), 0 for an all-zero one.
-// split: each chunk as its 16 even elements then its 16 odd ones (the low / high nibbles of 16 packed bytes).
-static inline void x_to_i16_32(const float* x, i64 K, int split, int16_t* xq, float* sx) {
-    for (i64 c = 0; c < K; c += 32) {
-        float amax = 0.f;
-        int bad = 0;
-        for (int k = 0; k < 32; k++) {
-            const float a = fabsf(x[c + k]);
-            bad |= !(a <= 3.402823466e38f);
-            amax = a > amax ? a : amax;
-        }
-        if (bad || amax < 1e-30f) {
-            memset(xq + c, 0, 32 * sizeof(int16_t));
-            sx[c / 32] = bad ? NAN : 0.f;
-            continue;
-        }
-        int e;
-        frexpf(amax, &e);
-        const float inv = ldexpf(1.f, 15 - e);
-        for (int k = 0; k < 32; k++) {
-            long v = lrintf(x[c + k] * inv);
-            v = v > 32767 ? 32767 : v < -32767 ? -32767 : v;  // fp32 inputs may round up to 2^15
-            xq[c + (split ? (k & 1) * 16 + (k >> 1) : k)] = (int16_t)v;
-        }
-        sx[c / 32] = ldexpf(1.f, e - 15);
-    }
-}
+// x from x_to_i16_32 (moeq.h).
 
 // Two 16-weight int16 vectors against the chunk's 32 int16 activations -> 8 int32 partial sums.
 static inline __m256i madd32(__m256i w0, __m256i w1, const int16_t* xq) {
