@@ -27,6 +27,9 @@ static inline i64 rows16_blocks(i64 N) { return (N + 15) / 16; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MOEQ_ROWS16 1
+#define MOEQ_ROWS16_512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MOEQ_ROWS16 1  // the int16 layout only (AVX2 builds take 8-bit weights with the default numerics)
 #endif
 
 // Bytes of the interleaved copy of w (one weight, [N, K]); 0 outside the domain or on builds without the kernels.
@@ -68,7 +71,7 @@ int moeq_rows16_pack(const moeq_wstack* w, int layout, uint8_t* out) {
     return 1;
 }
 
-#if defined(MOEQ_ROWS16)
+#if defined(MOEQ_ROWS16_512)
 static inline __m512 rows16_scales512(const uint8_t* s, int kind) {
     return kind ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16))
                 : _mm512_loadu_ps(s);
@@ -131,11 +134,83 @@ static inline __attribute__((always_inline)) void rows16_block_i8(const uint8_t*
 }
 #endif
 
+#if defined(MOEQ_ROWS16) && !defined(MOEQ_ROWS16_512)
+static inline __m256 rows16_scales256(const uint8_t* s, int kind) {
+    return kind ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s)), 16))
+                : _mm256_loadu_ps((const float*)s);
+}
+
+// AVX2, default numerics: rows 0-7 and 8-15 of the block as two 8-lane halves (vpmaddwd on int16 pairs), M (1 or 2)
+// activation rows per pass (16 ymm registers: the block is re-read from L1 for rows 3-4).
+static inline __attribute__((always_inline)) void rows16_block_i16(const int8_t* cb, const uint8_t* sb, int kind,
+                                                                   i64 K, i64 gs, const int16_t* xq, const float* sx,
+                                                                   const i64 M, float* out) {
+    const i64 C = K / 32, per = gs / 32, ss = scale_size(kind);
+    __m256 acc[4];
+    for (i64 m = 0; m < 2 * M; m++) acc[m] = _mm256_setzero_ps();
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (i64 c = 0; c < C; c++) {
+        if (c % per == 0) {
+            s0 = rows16_scales256(sb + (c / per) * 16 * ss, kind);
+            s1 = rows16_scales256(sb + ((c / per) * 16 + 8) * ss, kind);
+        }
+        __m256i v[4];
+        for (i64 m = 0; m < 2 * M; m++) v[m] = _mm256_setzero_si256();
+        const int8_t* cc = cb + c * 512;
+        for (int j = 0; j < 16; j++) {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cc + 32 * j)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cc + 32 * j + 16)));
+            for (i64 m = 0; m < M; m++) {
+                int32_t p;
+                memcpy(&p, xq + m * K + 32 * c + 2 * j, 4);
+                const __m256i xp = _mm256_set1_epi32(p);
+                v[2 * m] = _mm256_add_epi32(v[2 * m], _mm256_madd_epi16(w0, xp));
+                v[2 * m + 1] = _mm256_add_epi32(v[2 * m + 1], _mm256_madd_epi16(w1, xp));
+            }
+        }
+        for (i64 m = 0; m < M; m++) {
+            const __m256 xs = _mm256_set1_ps(sx[m * C + c]);
+            acc[2 * m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[2 * m]), _mm256_mul_ps(s0, xs), acc[2 * m]);
+            acc[2 * m + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[2 * m + 1]), _mm256_mul_ps(s1, xs), acc[2 * m + 1]);
+        }
+    }
+    for (i64 m = 0; m < M; m++) {
+        _mm256_storeu_ps(out + 16 * m, acc[2 * m]);
+        _mm256_storeu_ps(out + 16 * m + 8, acc[2 * m + 1]);
+    }
+}
+#endif
+
 // y[m, N] = x[m, K] @ W^T through w->rows16 (built by moeq_rows16_pack in layout w->rows16_layout, which must be
 // the numerics w asks for: int8 when w->act_i8). m <= 8. Returns 0 (nothing written) otherwise, on builds without
 // the kernels, or when the activations hold NaN/Inf in int8 mode (the row-major path then reports them as it does).
 int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y) {
-#if defined(MOEQ_ROWS16)
+#if defined(MOEQ_ROWS16) && !defined(MOEQ_ROWS16_512)
+    if (!w->rows16 || w->rows16_layout != MOEQ_ROWS16_I16 || w->act_i8 || m < 1 || m > 8 || !rows16_domain(w))
+        return 0;
+    const i64 N = w->N, K = w->K, C = K / 32, G = K / w->gs, NB = rows16_blocks(N), gs = w->gs;
+    const int kind = w->scale_bf16;
+    const uint8_t* scales = w->rows16 + NB * 16 * K;
+    const i64 sbytes = G * 16 * scale_size(kind);
+    void* xbuf = malloc((size_t)(m * K * 2 + m * C * 4 + 64));
+    if (!xbuf) return 0;
+    float* sx = (float*)xbuf;
+    int16_t* xq = (int16_t*)(sx + m * C);
+    for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, 0, xq + r * K, sx + r * C);
+#pragma omp parallel for schedule(static)
+    for (i64 b = 0; b < NB; b++) {
+        float o[8 * 16];
+        const int8_t* cb = (const int8_t*)w->rows16 + b * 16 * K;
+        for (i64 r0 = 0; r0 < m; r0 += 2) {
+            if (m - r0 >= 2) rows16_block_i16(cb, scales + b * sbytes, kind, K, gs, xq + r0 * K, sx + r0 * C, 2, o + 16 * r0);
+            else rows16_block_i16(cb, scales + b * sbytes, kind, K, gs, xq + r0 * K, sx + r0 * C, 1, o + 16 * r0);
+        }
+        const i64 rows = N - 16 * b < 16 ? N - 16 * b : 16;
+        for (i64 r = 0; r < m; r++) memcpy(y + r * N + 16 * b, o + 16 * r, (size_t)rows * sizeof(float));
+    }
+    free(xbuf);
+    return 1;
+#elif defined(MOEQ_ROWS16)
     const int layout = w->act_i8 ? MOEQ_ROWS16_I8 : MOEQ_ROWS16_I16;
     if (!w->rows16 || w->rows16_layout != layout || m < 1 || m > 8 || !rows16_domain(w)) return 0;
     const i64 N = w->N, K = w->K, C = K / 32, G = K / w->gs, NB = rows16_blocks(N), gs = w->gs;
