@@ -210,6 +210,22 @@ static inline __attribute__((always_inline)) void row_i16(
     const __m128i m4 = _mm_set1_epi8(15);
     __m256 acc[4];
     for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    // Q4_0 / IQ4_NL blocks (groups of 32 = one chunk): one FMA per chunk at the product of both scales — the same
+    // result (sx is a power of two), one FMA and a group step fewer per 32 weights: the AVX2 b1 step's experts 9.4-12.5
+    // -> 7.7-9.2 ms (bench model, alternating runs)
+    if (gs == 32 && codebook && bits == 4) {
+        for (i64 c = 0; c < K; c += 32) {
+            __m128i ve, vo;
+            cb_values32(qn + c / 2, hb, t, 0, &ve, &vo);
+            const __m256i w0 = _mm256_cvtepi8_epi16(ve), w1 = _mm256_cvtepi8_epi16(vo);
+            const float s = load_scale(scale, scale_bf16, n * G + c / 32);
+            for (i64 m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(madd32(w0, w1, xq + m * K + c)),
+                                         _mm256_set1_ps(s * sx[m * (K / 32) + c / 32]), acc[m]);
+        }
+        for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+        return;
+    }
     for (i64 g = 0; g < G; g++) {
         const __m256i zv = _mm256_set1_epi16((short)(zero ? zero[n * G + g] : 1 << (bits - 1)));
         __m256 v[4];
