@@ -77,10 +77,13 @@ static inline __m512 rows16_scales512(const uint8_t* s, int kind) {
                 : _mm512_loadu_ps(s);
 }
 
-// One block of 16 output rows against M activation rows, default numerics: xq int16 [M, K], sx [M, K/32].
-static inline __attribute__((always_inline)) void rows16_block_i16(const int8_t* cb, const uint8_t* sb, int kind,
-                                                                   i64 K, i64 gs, const int16_t* xq, const float* sx,
-                                                                   const i64 M, float* out) {
+// One block of 16 output rows against M activation rows. Default numerics (i8 = 0): xq int16 [M, K], f [M, K/32] the
+// chunks' scales. int8 activations (i8 = 1): xq int8 [M, K] (Q8_0 blocks of 32), f their scales, corr = -128 * each
+// block's sum of q (the codes' offset).
+static inline __attribute__((always_inline)) void rows16_block(const uint8_t* cb, const uint8_t* sb, int kind, i64 K,
+                                                               i64 gs, const void* xq, const float* f,
+                                                               const int32_t* corr, const i64 M, const int i8,
+                                                               float* out) {
     const i64 C = K / 32, per = gs / 32;
     __m512 acc[8];
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
@@ -88,47 +91,32 @@ static inline __attribute__((always_inline)) void rows16_block_i16(const int8_t*
     for (i64 c = 0; c < C; c++) {
         if (c % per == 0) sw = rows16_scales512(sb + (c / per) * 16 * scale_size(kind), kind);
         __m512i v[8], u[8];
-        for (i64 m = 0; m < M; m++) v[m] = u[m] = _mm512_setzero_si512();
-        const int8_t* cc = cb + c * 512;
-        for (int j = 0; j < 16; j += 2) {  // two accumulator chains per row
-            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(cc + 32 * j)));
-            const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(cc + 32 * j + 32)));
-            for (i64 m = 0; m < M; m++) {
-                const int16_t* xp = xq + m * K + 32 * c + 2 * j;
-                // the pair broadcast as the instruction's memory operand ({1to16}); the intrinsic form compiles to a
-                // separate broadcast per pair, measured 10-15% slower at four rows
-                __asm__("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(v[m]) : "m"(*(const int32_t*)xp), "v"(w0));
-                __asm__("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(u[m]) : "m"(*(const int32_t*)(xp + 2)), "v"(w1));
+        const uint8_t* cc = cb + c * 512;
+        // the activations' pair / quad broadcast as the instruction's memory operand ({1to16}): the intrinsic form
+        // compiles to a separate broadcast each, measured 10-15% slower at four rows
+        if (i8) {
+            for (i64 m = 0; m < M; m++) v[m] = _mm512_set1_epi32(corr[m * C + c]), u[m] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                const __m512i w = _mm512_loadu_si512(cc + 64 * j);
+                for (i64 m = 0; m < M; m++)
+                    __asm__("vpdpbusd %1%{1to16%}, %2, %0"
+                            : "+v"(v[m]) : "m"(*(const int32_t*)((const int8_t*)xq + m * K + 32 * c + 4 * j)), "v"(w));
+            }
+        } else {
+            for (i64 m = 0; m < M; m++) v[m] = u[m] = _mm512_setzero_si512();
+            for (int j = 0; j < 16; j += 2) {  // two accumulator chains per row
+                const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(cc + 32 * j)));
+                const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(cc + 32 * j + 32)));
+                for (i64 m = 0; m < M; m++) {
+                    const int16_t* xp = (const int16_t*)xq + m * K + 32 * c + 2 * j;
+                    __asm__("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(v[m]) : "m"(*(const int32_t*)xp), "v"(w0));
+                    __asm__("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(u[m]) : "m"(*(const int32_t*)(xp + 2)), "v"(w1));
+                }
             }
         }
         for (i64 m = 0; m < M; m++)
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(v[m], u[m])),
-                                     _mm512_mul_ps(sw, _mm512_set1_ps(sx[m * C + c])), acc[m]);
-    }
-    for (i64 m = 0; m < M; m++) _mm512_storeu_ps(out + 16 * m, acc[m]);
-}
-
-// The same, int8 activations: xq int8 [M, K] (Q8_0 blocks of 32), dx [M, K/32], corr [M, K/32] = -128 * sum q.
-static inline __attribute__((always_inline)) void rows16_block_i8(const uint8_t* cb, const uint8_t* sb, int kind,
-                                                                  i64 K, i64 gs, const int8_t* xq, const float* dx,
-                                                                  const int32_t* corr, const i64 M, float* out) {
-    const i64 C = K / 32, per = gs / 32;
-    __m512 acc[8];
-    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    __m512 sw = _mm512_setzero_ps();
-    for (i64 c = 0; c < C; c++) {
-        if (c % per == 0) sw = rows16_scales512(sb + (c / per) * 16 * scale_size(kind), kind);
-        __m512i v[8];
-        for (i64 m = 0; m < M; m++) v[m] = _mm512_set1_epi32(corr[m * C + c]);
-        const uint8_t* cc = cb + c * 512;
-        for (int j = 0; j < 8; j++) {
-            const __m512i w = _mm512_loadu_si512(cc + 64 * j);
-            for (i64 m = 0; m < M; m++)
-                __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(v[m]) : "m"(*(const int32_t*)(xq + m * K + 32 * c + 4 * j)),
-                        "v"(w));
-        }
-        for (i64 m = 0; m < M; m++)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[m]), _mm512_mul_ps(sw, _mm512_set1_ps(dx[m * C + c])), acc[m]);
+                                     _mm512_mul_ps(sw, _mm512_set1_ps(f[m * C + c])), acc[m]);
     }
     for (i64 m = 0; m < M; m++) _mm512_storeu_ps(out + 16 * m, acc[m]);
 }
@@ -242,11 +230,9 @@ int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y) {
 #define R16_CASE(c)                                                                                              \
     case c:                                                                                                      \
         if (layout == MOEQ_ROWS16_I16)                                                                           \
-            rows16_block_i16((const int8_t*)w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs,            \
-                             (const int16_t*)xq, f1, c, o);                                                      \
+            rows16_block(w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs, xq, f1, corr, c, 0, o);       \
         else                                                                                                     \
-            rows16_block_i8(w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs, (const int8_t*)xq, f1,     \
-                            corr, c, o);                                                                         \
+            rows16_block(w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs, xq, f1, corr, c, 1, o);       \
         break;
 #pragma omp parallel for schedule(static)
     for (i64 b = 0; b < NB; b++) {
