@@ -145,23 +145,21 @@ def _linear_plan(module) -> tuple | None:
     return plan
 
 
-def _attach_rows16(stack, keep: list) -> bool:
+def _attach_rows16(stack, keep: list) -> None:
     """Give an 8-bit symmetric weight's description a second copy of its codes interleaved by 16 output rows
     (``native/csrc/rows16.c``), in the layout of the numerics it runs (int8 activations or the default), which its
     gemv then takes at up to 8 rows: 1.2-3x the row-major kernel on a 151936x2048 Q8_0 head. Costs the weight's
-    size again in memory, so moeq builds it for the output head only. False (nothing attached) where the build has
-    no such kernel or the weight is outside its domain."""
+    size again in memory, so moeq builds it for the output head only. Nothing is attached where the build has no
+    such kernel or the weight is outside its domain."""
     L = native.lib()
     size = L.moeq_rows16_size(ctypes.byref(stack)) if L is not None else 0
     if size <= 0:
-        return False
+        return
     buf = torch.empty(size, dtype=torch.uint8)
     layout = 2 if stack.act_i8 else 1
-    if not L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
-        return False
-    stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
-    keep.append(buf)
-    return True
+    if L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
+        stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
+        keep.append(buf)
 
 
 def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:

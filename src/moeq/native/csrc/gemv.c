@@ -379,9 +379,9 @@ int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, ui
         for (i64 m0 = 0; m0 < M; m0 += 4) {
             const i64 mc = M - m0 < 4 ? M - m0 : 4;
             float o[16];
-#define BT(r, c) case c: bf16_tile512(w + n * K, x + m0 * K, r, c, K, o); break;
-            if (R == 4) { switch (mc) { BT(4, 1) BT(4, 2) BT(4, 3) default: bf16_tile512(w + n * K, x + m0 * K, 4, 4, K, o); } }
-            else { switch (mc) { BT(1, 1) BT(1, 2) BT(1, 3) default: bf16_tile512(w + n * K, x + m0 * K, 1, 4, K, o); } }
+            const uint16_t *wn = w + n * K, *xm = x + m0 * K;
+#define BT(c) case c: if (R == 4) bf16_tile512(wn, xm, 4, c, K, o); else bf16_tile512(wn, xm, 1, c, K, o); break;
+            switch (mc) { BT(1) BT(2) BT(3) BT(4) }
 #undef BT
             for (i64 m = 0; m < mc; m++)
                 for (i64 r = 0; r < R; r++) y[(m0 + m) * N + n + r] = f2bf(o[m * 4 + r]);

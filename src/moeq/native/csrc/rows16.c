@@ -58,7 +58,7 @@ int moeq_rows16_pack(const moeq_wstack* w, int layout, uint8_t* out) {
                 const uint8_t c = n < N ? w->q[n * K + k] : 128;
                 const i64 chunk = k / 32, j = k % 32;
                 // I16: [chunk][pair j/2][row][j%2] as code - 128; I8: [chunk][quad j/4][row][j%4] as the code
-                const i64 at = i16 ? chunk * 512 + (j / 2) * 32 + r * 2 + j % 2 : chunk * 512 + (j / 4) * 64 + r * 4 + j % 4;
+                const i64 at = chunk * 512 + (i16 ? (j / 2) * 32 + r * 2 + j % 2 : (j / 4) * 64 + r * 4 + j % 4);
                 cb[at] = i16 ? (uint8_t)(c ^ 0x80) : c;
             }
             for (i64 g = 0; g < G; g++) {
@@ -73,8 +73,8 @@ int moeq_rows16_pack(const moeq_wstack* w, int layout, uint8_t* out) {
 
 #if defined(MOEQ_ROWS16_512)
 static inline __m512 rows16_scales512(const uint8_t* s, int kind) {
-    return kind ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16))
-                : _mm512_loadu_ps(s);
+    if (!kind) return _mm512_loadu_ps(s);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
 }
 
 // One block of 16 output rows against M activation rows. Default numerics (i8 = 0): xq int16 [M, K], f [M, K/32] the
@@ -169,37 +169,43 @@ static inline __attribute__((always_inline)) void rows16_block_i16(const int8_t*
 }
 #endif
 
-// y[m, N] = x[m, K] @ W^T through w->rows16 (built by moeq_rows16_pack in layout w->rows16_layout, which must be
-// the numerics w asks for: int8 when w->act_i8). m <= 8. Returns 0 (nothing written) otherwise, on builds without
-// the kernels, or when the activations hold NaN/Inf in int8 mode (the row-major path then reports them as it does).
-int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y) {
-#if defined(MOEQ_ROWS16) && !defined(MOEQ_ROWS16_512)
-    if (!w->rows16 || w->rows16_layout != MOEQ_ROWS16_I16 || w->act_i8 || m < 1 || m > 8 || !rows16_domain(w))
-        return 0;
-    const i64 N = w->N, K = w->K, C = K / 32, G = K / w->gs, NB = rows16_blocks(N), gs = w->gs;
-    const int kind = w->scale_bf16;
-    const uint8_t* scales = w->rows16 + NB * 16 * K;
-    const i64 sbytes = G * 16 * scale_size(kind);
-    void* xbuf = malloc((size_t)(m * K * 2 + m * C * 4 + 64));
-    if (!xbuf) return 0;
-    float* sx = (float*)xbuf;
-    int16_t* xq = (int16_t*)(sx + m * C);
-    for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, 0, xq + r * K, sx + r * C);
-#pragma omp parallel for schedule(static)
-    for (i64 b = 0; b < NB; b++) {
-        float o[8 * 16];
-        const int8_t* cb = (const int8_t*)w->rows16 + b * 16 * K;
-        for (i64 r0 = 0; r0 < m; r0 += 2) {
-            if (m - r0 >= 2) rows16_block_i16(cb, scales + b * sbytes, kind, K, gs, xq + r0 * K, sx + r0 * C, 2, o + 16 * r0);
-            else rows16_block_i16(cb, scales + b * sbytes, kind, K, gs, xq + r0 * K, sx + r0 * C, 1, o + 16 * r0);
-        }
-        const i64 rows = N - 16 * b < 16 ? N - 16 * b : 16;
-        for (i64 r = 0; r < m; r++) memcpy(y + r * N + 16 * b, o + 16 * r, (size_t)rows * sizeof(float));
-    }
-    free(xbuf);
-    return 1;
+#if defined(MOEQ_ROWS16_512)
+// One block against all m (1..8) activation rows, m a compile-time constant per case.
+static inline void rows16_rows(int layout, const uint8_t* cb, const uint8_t* sb, int kind, i64 K, i64 gs,
+                               const void* xq, const float* f, const int32_t* corr, i64 m, float* o) {
+#define R16_CASE(c)                                                                                              \
+    case c:                                                                                                      \
+        if (layout == MOEQ_ROWS16_I16) rows16_block(cb, sb, kind, K, gs, xq, f, corr, c, 0, o);                  \
+        else rows16_block(cb, sb, kind, K, gs, xq, f, corr, c, 1, o);                                            \
+        break;
+    switch (m) { R16_CASE(1) R16_CASE(2) R16_CASE(3) R16_CASE(4) R16_CASE(5) R16_CASE(6) R16_CASE(7) R16_CASE(8) }
+#undef R16_CASE
+}
 #elif defined(MOEQ_ROWS16)
+// AVX2: the int16 layout only, two activation rows per pass.
+static inline void rows16_rows(int layout, const uint8_t* cb, const uint8_t* sb, int kind, i64 K, i64 gs,
+                               const void* xq, const float* f, const int32_t* corr, i64 m, float* o) {
+    (void)layout, (void)corr;
+    const int16_t* x16 = (const int16_t*)xq;
+    for (i64 r0 = 0; r0 < m; r0 += 2) {
+        const int16_t* xr = x16 + r0 * K;
+        const float* fr = f + r0 * (K / 32);
+        if (m - r0 >= 2) rows16_block_i16((const int8_t*)cb, sb, kind, K, gs, xr, fr, 2, o + 16 * r0);
+        else rows16_block_i16((const int8_t*)cb, sb, kind, K, gs, xr, fr, 1, o + 16 * r0);
+    }
+}
+#endif
+
+// y[m, N] = x[m, K] @ W^T through w->rows16 (built by moeq_rows16_pack in layout w->rows16_layout, which must be
+// the numerics w asks for: int8 when w->act_i8, which AVX2 builds do not take). m <= 8. Returns 0 (nothing written)
+// otherwise, on builds without the kernels, or when the activations hold NaN/Inf in int8 mode (the row-major path
+// then reports them as it does).
+int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y) {
+#if defined(MOEQ_ROWS16)
     const int layout = w->act_i8 ? MOEQ_ROWS16_I8 : MOEQ_ROWS16_I16;
+#if !defined(MOEQ_ROWS16_512)
+    if (layout == MOEQ_ROWS16_I8) return 0;
+#endif
     if (!w->rows16 || w->rows16_layout != layout || m < 1 || m > 8 || !rows16_domain(w)) return 0;
     const i64 N = w->N, K = w->K, C = K / 32, G = K / w->gs, NB = rows16_blocks(N), gs = w->gs;
     const int kind = w->scale_bf16;
@@ -227,21 +233,13 @@ int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y) {
                 corr[r * C + c] = -128 * s;
             }
     }
-#define R16_CASE(c)                                                                                              \
-    case c:                                                                                                      \
-        if (layout == MOEQ_ROWS16_I16)                                                                           \
-            rows16_block(w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs, xq, f1, corr, c, 0, o);       \
-        else                                                                                                     \
-            rows16_block(w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs, xq, f1, corr, c, 1, o);       \
-        break;
 #pragma omp parallel for schedule(static)
     for (i64 b = 0; b < NB; b++) {
         float o[8 * 16];
-        switch (m) { R16_CASE(1) R16_CASE(2) R16_CASE(3) R16_CASE(4) R16_CASE(5) R16_CASE(6) R16_CASE(7) R16_CASE(8) }
+        rows16_rows(layout, w->rows16 + b * 16 * K, scales + b * sbytes, kind, K, gs, xq, f1, corr, m, o);
         const i64 rows = N - 16 * b < 16 ? N - 16 * b : 16;
         for (i64 r = 0; r < m; r++) memcpy(y + r * N + 16 * b, o + 16 * r, (size_t)rows * sizeof(float));
     }
-#undef R16_CASE
     free(xbuf);
     return 1;
 #else
