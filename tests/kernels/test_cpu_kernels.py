@@ -54,6 +54,7 @@ def _no_fused(ex, monkeypatch) -> None:
     """Decline the native layer kernels: the per-expert path (dequantize + matmul or gemv per expert)."""
     monkeypatch.setattr(ex, "moe_forward", lambda *args: None)
     monkeypatch.setattr(ex, "moe_routed", lambda *args: None)
+    monkeypatch.setattr(ex, "moe_prefill", lambda *args: None)
 
 
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128), RTN(4, 32, symmetric=False), BNB4("nf4", 64, True),

@@ -217,3 +217,32 @@ def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
                          native.ptr(out), native.ptr(scratch)):
         return None
     return out.to(x.dtype)
+
+
+def moe_prefill(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torch.Tensor,
+                counts: list[int]) -> torch.Tensor | None:
+    """Experts with many rows each (a prompt) through ``moeq_moe_prefill`` (``native/csrc/gemm.c``): per expert a
+    grouped GEMM from the packed codes — 16 dequantized rows at a time, the tokens in the vector lanes — and the
+    SiLU-GLU and weighted sum in fp32. Returns the fp32 ``[T, H]`` sum over the given pairs (grouped by expert,
+    ``counts`` per expert), or None outside its domain (no AVX512-BF16, bf16 activations only, RTN 4/8-bit and
+    codebook grids), leaving dequantize + matmul per expert."""
+    L = native.lib()
+    if L is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not native.has_dpbf16():
+        return None
+    stacks = _plan(module, True)
+    if stacks is None:
+        return None
+    s13, s2 = stacks
+    t, h = x.shape
+    xb = x.contiguous()
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    starts[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    tok = token_of.to(torch.int64).contiguous()
+    wts = weight_of.float().contiguous()
+    out = torch.zeros(t, h, dtype=torch.float32)
+    rc = L.moeq_moe_prefill(ctypes.byref(s13), ctypes.byref(s2), native.ptr(xb), native.i64(t), native.i64(h),
+                            native.i64(s2.K), native.ptr(tok), native.ptr(wts), native.ptr(starts),
+                            native.i64(len(counts)), native.ptr(out))
+    if rc == -1:
+        raise MemoryError("moeq_moe_prefill: could not allocate its scratch")
+    return out if rc == 1 else None

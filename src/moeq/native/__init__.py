@@ -1,6 +1,6 @@
 """The native CPU library: C sources in ``csrc/`` (``moeq.h`` shared types and prototypes; ``quants.c``,
-``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c`` split by concern), compiled on first use with
-the system C compiler into one shared library in a per-user cache, and called through ctypes.
+``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c`` split by concern), compiled on
+first use with the system C compiler into one shared library in a per-user cache, and called through ctypes.
 
 This is moeq's bottom layer for native code: it imports only torch and :mod:`moeq.errors`, so formats, kernels and
 modules all sit above it. Every export's return and argument types are declared once, in :data:`ABI`; callers pass
@@ -32,7 +32,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -126,6 +126,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     # moe.c
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
+    "moeq_moe_prefill": (_INT, [_WS, _WS, _P, _I, _I, _I, _P, _P, _P, _I, _P]),
     "moeq_moe_forward_rtn4_bf16": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
     "moeq_moe_routed": (_INT, [_WS, _WS, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P]),
     # decode.c

@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear, matmul_dtype
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
-from moeq.kernels.moe_cpu import moe_forward, moe_routed
+from moeq.kernels.moe_cpu import moe_forward, moe_prefill, moe_routed
 from moeq.nn.packed import get_packed, set_packed
 
 # Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
@@ -120,24 +120,31 @@ class QuantExperts(nn.Module):
         weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
         w13, w2 = self.w13, self.w2
         if native:
-            # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) go through
-            # dequantize + bf16 matmul, which is faster there
+            # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) in the native
+            # grouped GEMM (moe_prefill), or where it declines dequantize + bf16 matmul
             small = [c if c <= MOE_MAX_ROWS else 0 for c in counts]
+            large = [c if c > MOE_MAX_ROWS else 0 for c in counts]
+            keep = None if not any(small) or not any(large) else torch.tensor(counts)[flat[order]] <= MOE_MAX_ROWS
+            fused = None
             if any(small):
-                if small == counts:
-                    fused = moe_forward(w13, w2, hidden_states, token_of, weight_of, counts)
-                    if fused is not None:
-                        return fused
-                else:
-                    per_pair = torch.tensor(counts)[flat[order]]  # the row count of each pair's expert
-                    keep = per_pair <= MOE_MAX_ROWS
-                    fused = moe_forward(w13, w2, hidden_states, token_of[keep], weight_of[keep], small)
-                    if fused is not None:
-                        large = [c if c > MOE_MAX_ROWS else 0 for c in counts]
-                        out = self._forward_loop(hidden_states, token_of[~keep], weight_of[~keep], large, w13, w2,
-                                                 out)
-                        return out + fused
+                fused = moe_forward(w13, w2, hidden_states, *self._pairs(token_of, weight_of, keep, True), small)
+                if fused is not None and not any(large):
+                    return fused
+            if fused is not None or not any(small):
+                tl, wl = self._pairs(token_of, weight_of, keep, False)
+                big = moe_prefill(self, hidden_states, tl, wl, large)
+                if big is None:
+                    big = self._forward_loop(hidden_states, tl, wl, large, w13, w2, out)
+                return big.to(out.dtype) if fused is None else (big + fused).to(out.dtype)
         return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
+
+    @staticmethod
+    def _pairs(token_of: torch.Tensor, weight_of: torch.Tensor, keep: torch.Tensor | None, small: bool):
+        """The pairs of the small (decode-sized) or the large experts; all of them when only one kind is present."""
+        if keep is None:
+            return token_of, weight_of
+        sel = keep if small else ~keep
+        return token_of[sel], weight_of[sel]
 
     def _forward_loop(self, hidden_states, token_of, weight_of, counts, w13, w2, out):
         """Experts one by one (the many-rows path): each expert's weight is dequantized into one reused buffer for its

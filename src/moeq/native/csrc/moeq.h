@@ -211,6 +211,11 @@ void moeq_cb4_scale_codes(const uint16_t* scale, i64 rows, i64 G, int8_t* sc, ui
 void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
                       const uint16_t* sup, uint8_t* q);
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
+// internal (quants.c): the two dequantizers above over rows r0..r1-1, serially (out holds row r0 first)
+void rtn_dequant_rows(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 r0,
+                      i64 r1, i64 K, i64 gs, void* out, int out_bf16);
+void cb4_dequant_rows(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
+                      int bits, i64 r0, i64 r1, i64 K, i64 gs, void* out, int out_bf16);
 // ---- exports (gemv.c) ----
 int moeq_has_dpbf16(void);
 int moeq_simd_level(void);
@@ -253,6 +258,9 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
                                 float* scratch);
 int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
+// ---- exports (gemm.c) ----
+int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
+                     const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 // One MoE decoder layer for moeq_layer_pre/attn/moe (decode.c), mirrored by moeq.native.Layer.
 typedef struct {
     const uint16_t* ln1;            // input RMSNorm weight [H] (bf16)

@@ -73,17 +73,17 @@ void moeq_rtn_quantize_sym(const void* w, int bf16, i64 rows, i64 K, i64 gs, int
     }
 }
 
-// (q - z) * s for each element; out fp32 or bf16 (rounded once, like the torch reference).
-void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 rows,
-                      i64 K, i64 gs, void* out, int out_bf16) {
+// (q - z) * s for each element of rows r0..r1-1 (serial; out holds row r0 first); out fp32 or bf16 (rounded once,
+// like the torch reference).
+void rtn_dequant_rows(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 r0,
+                      i64 r1, i64 K, i64 gs, void* out, int out_bf16) {
     const i64 G = K / gs;
     const float half = (float)(1 << (bits - 1));
-#pragma omp parallel for schedule(static)
-    for (i64 r = 0; r < rows; r++) {
+    for (i64 r = r0; r < r1; r++) {
         for (i64 g = 0; g < G; g++) {
             const float s = load_scale(scale, scale_bf16, r * G + g);
             const float z = zero ? (float)zero[r * G + g] : half;
-            const i64 o = r * K + g * gs;
+            const i64 o = (r - r0) * K + g * gs;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
             if (out_bf16 && bits == 4 && gs % 32 == 0) {
                 // the group's 16 possible values, (c - z) * s rounded once to bf16, looked up per weight: one word
@@ -133,6 +133,14 @@ void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
             }
         }
     }
+}
+
+void moeq_rtn_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint8_t* zero, int bits, i64 rows,
+                      i64 K, i64 gs, void* out, int out_bf16) {
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++)
+        rtn_dequant_rows(q, scale, scale_bf16, zero, bits, r, r + 1, K, gs,
+                         (char*)out + r * K * (out_bf16 ? 2 : 4), out_bf16);
 }
 
 // ---------------------------------------------------------------- bnb4 ------------------------------------------
@@ -922,18 +930,17 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
     free(sig);
 }
 
-// scale * values[code] per element (4-bit codes, or 5-bit: the row's fifth-bit plane after its nibbles); out fp32
-// or bf16 (rounded once).
-void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
-                      int bits, i64 rows, i64 K, i64 gs, void* out, int out_bf16) {
+// scale * values[code] per element of rows r0..r1-1 (serial; out holds row r0 first): 3-bit, 4-bit codes, or 5-bit
+// (the row's fifth-bit plane after its nibbles); out fp32 or bf16 (rounded once).
+void cb4_dequant_rows(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
+                      int bits, i64 r0, i64 r1, i64 K, i64 gs, void* out, int out_bf16) {
     const i64 G = K / gs, rowb = packed_row_bytes(bits, K);
-#pragma omp parallel for schedule(static)
-    for (i64 r = 0; r < rows; r++)
+    for (i64 r = r0; r < r1; r++)
         for (i64 g = 0; g < G; g++) {
             const float s = load_scale(scale, scale_bf16, r * G + g) * row_super(sup, r);  // exact: 8 x 8 bits
             const uint8_t* qq = q + r * rowb + g * gs / 2;
             const uint8_t* hb = q + r * rowb + K / 2 + g * gs / 8;
-            const i64 o = r * K + g * gs;
+            const i64 o = (r - r0) * K + g * gs;
 #if defined(__AVX512BW__)
             if (bits == 3) {  // 6 bytes (two 24-bit words) -> 16 values; gs % 16 == 0
                 const __m512 t0 = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
@@ -996,6 +1003,14 @@ void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const
                 else ((float*)out)[o + k] = v;
             }
         }
+}
+
+void moeq_cb4_dequant(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
+                      int bits, i64 rows, i64 K, i64 gs, void* out, int out_bf16) {
+#pragma omp parallel for schedule(static)
+    for (i64 r = 0; r < rows; r++)
+        cb4_dequant_rows(q, scale, scale_bf16, sup, values, bits, r, r + 1, K, gs,
+                         (char*)out + r * K * (out_bf16 ? 2 : 4), out_bf16);
 }
 
 // Double quantization of the search's bf16 group scales [rows, G]: per row the factor sup = bf16(max |s| / 127) and

@@ -1,0 +1,270 @@
+// Prefill of a MoE layer (experts with many rows each): a grouped GEMM per expert straight from the packed codes.
+//
+// The decode kernels (moe.c, rtn4_rows.h) re-expand every weight for every row of x, which pays while an expert has
+// a few rows; in a prompt each expert gets tens to hundreds. Here a tile of 16 weight rows is dequantized once into a
+// cache-resident bf16 buffer (the same dequantizers, so the same rounded weights, as the torch path's dequantize +
+// matmul) and multiplied with every routed token: the tokens sit in the vector lanes (x transposed to bf16 pairs
+// [K/2][tokens]), each weight pair is broadcast, so one AVX512-BF16 dot product does 16 tokens x 2 weights and no
+// horizontal sums are needed. gate/up rows land in a [2I][tokens] fp32 tile, SiLU-GLU writes the down projection's
+// input directly in the same transposed bf16 layout, and the weighted outputs are summed in fp32 (rounded once, by
+// the caller). Experts run in parallel over the threads (each its own scratch and output buffer, summed at the end).
+#include "moeq.h"
+
+#if defined(__AVX512BF16__)
+enum { TILE_R = 16, CHUNK = 64 };  // weight rows per dequantized tile; tokens per pass over an expert
+
+// The tile's K order: natural (pair kp = elements 2kp, 2kp + 1), or for the 4-bit fast path (perm4) per 64-chunk
+// pair j < 16 = elements (4j, 4j + 2) and pair 16 + j = (4j + 1, 4j + 3): what one widening of 32 code bytes to
+// words gives as (low nibbles, high nibbles). A dot product is the same in any order, so x is transposed into it.
+static inline i64 pair_elem(int perm4, i64 kp, int second) {
+    if (!perm4) return 2 * kp + second;
+    const i64 c = kp >> 5, j = kp & 31;
+    return 64 * c + 4 * (j & 15) + (j >> 4) + 2 * second;
+}
+
+// 4-bit RTN (zero point or 8) or a 16-value codebook, K % 64 == 0, gs 32 or a multiple of 64: per 64-chunk one
+// table of the chunk's two groups' values (scale * value, rounded once to bf16: the same weights as the
+// dequantizers in quants.c) and two word permutes.
+static int perm4_takes(const moeq_wstack* w) {
+    return w->bits == 4 && w->K % 64 == 0 && (w->gs == 32 || w->gs % 64 == 0);
+}
+
+static void dequant_tile4(const moeq_wstack* w, i64 e, i64 n0, uint16_t* dst) {
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    const uint8_t* q = w->q + e * N * (K / 2);
+    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
+    const uint8_t* zp = w->zero ? w->zero + e * N * G : NULL;
+    const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 vals = w->values ? _mm512_loadu_ps(w->values) : iota;
+    const __m512i lo4 = _mm512_set1_epi16(15);
+    const __m512i grp = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);  // words 16-31: table B
+    for (i64 r = 0; r < TILE_R; r++) {
+        const i64 n = n0 + r;
+        const uint8_t* qr = q + n * (K / 2);
+        const float su = row_super(sup, n);
+        uint16_t* o = dst + r * K;
+        for (i64 c = 0; c < K / 64; c++) {
+            __m512 t[2];
+            for (int h = 0; h < 2; h++) {
+                const i64 g = n * G + (64 * c + 32 * h) / w->gs;
+                const __m512 s = _mm512_set1_ps(load_scale(sc, w->scale_bf16, g) * su);
+                const __m512 v = w->values ? vals : _mm512_sub_ps(iota, _mm512_set1_ps(zp ? (float)zp[g] : 8.f));
+                t[h] = _mm512_mul_ps(v, s);
+            }
+            const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(t[1], t[0]);
+            const __m512i wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qr + 32 * c)));
+            const __m512i il = _mm512_ternarylogic_epi32(wv, lo4, grp, 0xEA);  // (wv & 15) | grp
+            const __m512i ih = _mm512_or_si512(_mm512_srli_epi16(wv, 4), grp);
+            _mm512_storeu_si512(o + 64 * c, _mm512_permutexvar_epi16(il, tab));
+            _mm512_storeu_si512(o + 64 * c + 32, _mm512_permutexvar_epi16(ih, tab));
+        }
+    }
+}
+
+static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_t* dst) {
+    if (perm4) {
+        dequant_tile4(w, e, n0, dst);
+        return;
+    }
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    const uint8_t* q = w->q + e * N * packed_row_bytes(w->bits, K);
+    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
+    if (w->values)
+        cb4_dequant_rows(q, sc, w->scale_bf16, w->scale_super ? w->scale_super + e * N : NULL, w->values, w->bits, n0,
+                         n0 + TILE_R, K, w->gs, dst, 1);
+    else
+        rtn_dequant_rows(q, sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, w->bits, n0, n0 + TILE_R, K,
+                         w->gs, dst, 1);
+}
+
+// y[r * ldy + p] = sum_k w[r][k] x_p[k] for R weight rows (bf16 [R][K]) and the 16*TB tokens from p0 (xt: bf16 pairs
+// [K/2][Pp]); R and TB compile-time constants per call site. Per pair step TB vector loads and R broadcasts feed
+// R*TB dot products: TB = 1 is load-bound (half speed), 2 and 3 are not.
+static inline __attribute__((always_inline)) void tile_dot(const uint16_t* w, i64 K, const uint32_t* xt, i64 Pp,
+                                                           i64 p0, const int R, const int TB, float* y, i64 ldy) {
+    __m512 acc[16][3];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < TB; j++) acc[r][j] = _mm512_setzero_ps();
+    const i64 KP = K / 2;
+    const uint32_t* xp = xt + p0;
+    for (i64 kp = 0; kp < KP; kp++, xp += Pp) {
+        __m512bh xv[3];
+        for (int j = 0; j < TB; j++) xv[j] = (__m512bh)_mm512_loadu_si512(xp + 16 * j);
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, w + r * K + 2 * kp, 4);
+            const __m512bh wb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < TB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv[j], wb);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < TB; j++) _mm512_storeu_ps(y + r * ldy + p0 + 16 * j, acc[r][j]);
+}
+
+// y [N][Pp] = W[e] (N x K) @ the Pp (<= 64) tokens of xt, a tile of TILE_R dequantized rows (wt: TILE_R * K halves)
+// at a time; N % TILE_R == 0. Token blocks of 48 or 32 (16 only when that is all there is).
+static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y, uint16_t* wt) {
+    const i64 N = w->N, K = w->K;
+    for (i64 n0 = 0; n0 < N; n0 += TILE_R) {
+        dequant_tile(w, perm4, e, n0, wt);
+        float* yt = y + n0 * Pp;
+        for (i64 p = 0; p < Pp;) {
+            const i64 left = Pp - p;
+            if (left == 48) {
+                tile_dot(wt, K, xt, Pp, p, 8, 3, yt, Pp);
+                tile_dot(wt + 8 * K, K, xt, Pp, p, 8, 3, yt + 8 * Pp, Pp);
+                p += 48;
+            } else if (left >= 32) {
+                tile_dot(wt, K, xt, Pp, p, 8, 2, yt, Pp);
+                tile_dot(wt + 8 * K, K, xt, Pp, p, 8, 2, yt + 8 * Pp, Pp);
+                p += 32;
+            } else {
+                tile_dot(wt, K, xt, Pp, p, 16, 1, yt, Pp);
+                p += 16;
+            }
+        }
+    }
+}
+
+static inline __m512 exp512(__m512 x) {  // e^x, ~1 ulp over the clamped range (Cephes' polynomial)
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// at[kp][p] = bf16 pair kp (in the K order of perm4, see pair_elem) of a = silu(gate) * up, gate/up the rows i and
+// I + i of h [2I][Pp].
+static void silu_glu_pairs(const float* h, i64 I, i64 Pp, int perm4, uint32_t* at) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (i64 kp = 0; kp < I / 2; kp++)
+        for (i64 p = 0; p < Pp; p += 16) {
+            __m512 a[2];
+            for (int j = 0; j < 2; j++) {
+                const i64 i = pair_elem(perm4, kp, j);
+                const __m512 g = _mm512_loadu_ps(h + i * Pp + p), u = _mm512_loadu_ps(h + (I + i) * Pp + p);
+                const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                a[j] = _mm512_mul_ps(s, u);
+            }
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a[0]));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a[1]));
+            _mm512_storeu_si512(at + kp * Pp + p, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+// One pass over expert e with the P (<= CHUNK) pairs at tok/wts: out[tok] += wts * W2 silu-glu(W13 x[tok]).
+static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, const uint16_t* x, i64 H, i64 I,
+                        const i64* tok, const float* wts, i64 P, float* out, float* scratch) {
+    const i64 Pp = (P + 15) & ~(i64)15;
+    uint32_t* xt = (uint32_t*)scratch;             // (H/2) * Pp
+    float* h = scratch + (H / 2) * Pp;              // 2I * Pp
+    uint32_t* at = (uint32_t*)(h + 2 * I * Pp);    // (I/2) * Pp
+    float* y = (float*)(at + (I / 2) * Pp);        // H * Pp
+    uint16_t* wt = (uint16_t*)(y + H * Pp);         // TILE_R * max(H, I) halves
+    const int p13 = perm4_takes(w13), p2 = perm4_takes(w2);
+    for (i64 p = 0; p < P; p++) {
+        const uint16_t* row = x + tok[p] * H;
+        for (i64 kp = 0; kp < H / 2; kp++)
+            xt[kp * Pp + p] = (uint32_t)row[pair_elem(p13, kp, 0)] | (uint32_t)row[pair_elem(p13, kp, 1)] << 16;
+    }
+    for (i64 p = P; p < Pp; p++)
+        for (i64 kp = 0; kp < H / 2; kp++) xt[kp * Pp + p] = 0;
+    expert_gemm(w13, p13, e, xt, Pp, h, wt);
+    silu_glu_pairs(h, I, Pp, p2, at);
+    expert_gemm(w2, p2, e, at, Pp, y, wt);
+    for (i64 p = 0; p < P; p++) {
+        float* o = out + tok[p] * H;
+        const float wgt = wts[p];
+        for (i64 k = 0; k < H; k++) o[k] += wgt * y[k * Pp + p];
+    }
+}
+
+static int takes(const moeq_wstack* w) {  // RTN 4/8-bit and the codebook grids, K even, N % TILE_R == 0
+    return w->fmt == MOEQ_FMT_RTN && (w->values ? w->bits >= 3 && w->bits <= 5 : w->bits == 4 || w->bits == 8) &&
+           w->K % 2 == 0 && w->gs > 0 && w->K % w->gs == 0 && w->N % TILE_R == 0;
+}
+#endif
+
+// out[T, H] (fp32, zeroed by the caller) += for each pair (grouped by expert: expert_start[E + 1]) its weight times
+// expert e's SiLU-GLU MLP of x[pair_tok] (bf16 [T, H]). Returns 0 (nothing written) without AVX512-BF16 or outside
+// the formats above; -1 when scratch could not be allocated, -2 for a token index outside [0, T).
+int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
+                     const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out) {
+#if defined(__AVX512BF16__)
+    if (!takes(w13) || !takes(w2) || w13->N != 2 * I || w13->K != H || w2->N != H || w2->K != I || I % 2)
+        return 0;
+    i64 pmax = 0, ne = 0;
+    for (i64 e = 0; e < E; e++) {
+        const i64 c = expert_start[e + 1] - expert_start[e];
+        pmax = c > pmax ? c : pmax;
+        ne += c > 0;
+    }
+    for (i64 j = 0; j < expert_start[E]; j++)
+        if (pair_tok[j] < 0 || pair_tok[j] >= T) return -2;
+    if (ne == 0) return 1;
+    i64* order = (i64*)malloc((size_t)ne * sizeof(i64));  // busiest experts first: the threads end together
+    if (!order) return -1;
+    for (i64 e = 0, j = 0; e < E; e++)
+        if (expert_start[e + 1] > expert_start[e]) order[j++] = e;
+    for (i64 a = 1; a < ne; a++) {
+        const i64 v = order[a], c = expert_start[v + 1] - expert_start[v];
+        i64 b = a;
+        for (; b > 0 && expert_start[order[b - 1] + 1] - expert_start[order[b - 1]] < c; b--) order[b] = order[b - 1];
+        order[b] = v;
+    }
+    const i64 Pp = ((pmax < CHUNK ? pmax : CHUNK) + 15) & ~(i64)15, KM = H > I ? H : I;
+    const i64 per = (H / 2 + 2 * I + I / 2 + H) * Pp + TILE_R * KM / 2 + 16;  // floats per thread
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+#else
+    const int nt = 1;
+#endif
+    float* scratch = (float*)malloc((size_t)(nt * per) * sizeof(float));
+    float* extra = nt > 1 ? (float*)calloc((size_t)((nt - 1) * T * H), sizeof(float)) : NULL;
+    if (!scratch || (nt > 1 && !extra)) {
+        free(order);
+        free(scratch);
+        free(extra);
+        return -1;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        float* mine = scratch + tid * per;
+        float* o = tid == 0 ? out : extra + (tid - 1) * T * H;
+#pragma omp for schedule(dynamic, 1)
+        for (i64 j = 0; j < ne; j++) {
+            const i64 e = order[j];
+            for (i64 p0 = expert_start[e]; p0 < expert_start[e + 1]; p0 += CHUNK) {
+                const i64 P = expert_start[e + 1] - p0 < CHUNK ? expert_start[e + 1] - p0 : CHUNK;
+                expert_pass(w13, w2, e, x, H, I, pair_tok + p0, pair_w + p0, P, o, mine);
+            }
+        }
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < T * H; i++)
+            for (int t = 1; t < nt; t++) out[i] += extra[(t - 1) * T * H + i];
+    }
+    free(order);
+    free(scratch);
+    free(extra);
+    return 1;
+#else
+    (void)w13; (void)w2; (void)x; (void)T; (void)H; (void)I; (void)pair_tok; (void)pair_w; (void)expert_start;
+    (void)E; (void)out;
+    return 0;
+#endif
+}

@@ -1,0 +1,105 @@
+"""The prompt-sized MoE path (``moeq_moe_prefill``, native/csrc/gemm.c): per expert a grouped GEMM from the packed
+codes with the tokens in the vector lanes. Checked against float64 sums over the same bf16-rounded weights the torch
+path (dequantize + matmul) multiplies, and against that path itself."""
+import pytest
+import torch
+
+from moeq import native
+from moeq.config import BNB4, RTN
+from moeq.kernels import moe_cpu
+
+pytestmark = pytest.mark.skipif(not native.has_dpbf16(), reason="the grouped GEMM needs AVX512-BF16 (others keep "
+                                                                 "dequantize + matmul, tested elsewhere)")
+
+# the 4-bit fast tile (RTN sym/asym, 16-value codebooks, int8 scale codes; groups 32 and 64k) and the general one
+# (8-bit, 5-bit, 3-bit, groups of 16)
+CONFIGS = [RTN(4, 32), RTN(4, 128), RTN(4, 64, symmetric=False), RTN(4, 32, grid="iq4nl"),
+           RTN(4, 32, grid="iq4nl", double_quant=True), RTN(8, 64), RTN(8, 32, symmetric=False),
+           RTN(4, 16, grid="iq4nl"), RTN(5, 32, grid="signed"), RTN(3, 16, grid="nl3", double_quant=True)]
+
+
+def _module(cfg, e=8, h=256, i=128, seed=0):
+    from moeq.nn import Activation, QuantExperts
+
+    g = torch.Generator().manual_seed(seed)
+    gu, dn = torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.randn(e, h, i, generator=g) * 0.05
+    gu[1, 5, :40] *= 20  # outliers: large codes at both ends
+    return QuantExperts(cfg.quantize(gu.bfloat16()), cfg.quantize(dn.bfloat16()), Activation())
+
+
+def _routing(t, e, a, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(e, generator=g)[:a] for _ in range(t)])
+    idx[:, 0] = 2  # expert 2 in every token: more pairs than one pass of the kernel takes (64)
+    idx[:, 1:][idx[:, 1:] == 2] = 7
+    idx[: t // 2, 1:][idx[: t // 2, 1:] == 5] = 6  # expert 5 gets few rows: the decode kernel takes it
+    return idx, torch.rand(t, a, generator=g).bfloat16()
+
+
+def _exact(mod, x, idx, wts):
+    """float64 from the bf16-rounded weights, and sum_j w_j |W2| |a_j| (what the bf16 rounding of a scales with)."""
+    d13, d2 = (w.dequantize(torch.bfloat16).double() for w in (mod.w13, mod.w2))
+    i = mod.intermediate_dim
+    exact, mag = torch.zeros(x.shape, dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e, wt = idx[r, j], float(wts[r, j])
+            hh = d13[e] @ x[r].double()
+            act = torch.nn.functional.silu(hh[:i]) * hh[i:]
+            exact[r] += wt * (d2[e] @ act)
+            mag[r] += abs(wt) * (d2[e].abs() @ act.abs())
+    return exact, mag
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
+def test_prefill_gemm_matches_float64(cfg, monkeypatch):
+    import moeq.nn.experts as ex
+
+    mod = _module(cfg)
+    t, a = 90, 3
+    x = torch.randn(t, 256).bfloat16()
+    idx, wts = _routing(t, 8, a)
+    ran = []
+    real = ex.moe_prefill
+    monkeypatch.setattr(ex, "moe_prefill", lambda *args: ran.append(r := real(*args)) or r)
+    y = mod(x, idx, wts)
+    assert ran and ran[0] is not None and y.dtype == torch.bfloat16  # the kernel took it (did not decline)
+    exact, mag = _exact(mod, x, idx, wts)
+    err = (y.double() - exact).abs()
+    # the output rounded once to bf16, the SiLU-GLU output rounded to bf16 before the down projection, fp32 sums
+    assert (err <= 2.0 ** -8 * exact.abs() + 2.0 ** -8 * mag + 1e-6).all(), (err - 2.0 ** -8 * exact.abs()).max()
+    monkeypatch.setattr(ex, "moe_prefill", lambda *args: None)
+    loop = mod(x, idx, wts)  # dequantize + bf16 matmul per expert (bf16 between the steps): no more accurate
+    assert err.max() <= (loop.double() - exact).abs().max() + 1e-6
+
+
+def test_prefill_gemm_token_blocks_and_passes():
+    """Experts of 9..130 rows (token blocks of 16, 32, 48, two passes of 64 and a remainder): each expert's rows
+    equal those it gives alone, so no token leaks into another's block or pass."""
+    mod = _module(RTN(4, 32, grid="iq4nl"), e=4)
+    torch.manual_seed(3)
+    counts = [9, 33, 130, 48]
+    token_of = torch.cat([torch.randperm(150)[:c] for c in counts])
+    weight_of = torch.rand(len(token_of))
+    x = torch.randn(150, 256).bfloat16()
+    y = moe_cpu.moe_prefill(mod, x, token_of, weight_of, counts)
+    assert y is not None and y.dtype == torch.float32
+    start, want = 0, torch.zeros_like(y)
+    for e, c in enumerate(counts):
+        alone = [c if j == e else 0 for j in range(4)]
+        part = moe_cpu.moe_prefill(mod, x, token_of[start:start + c], weight_of[start:start + c], alone)
+        want += part
+        start += c
+    assert torch.allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
+def test_prefill_gemm_declines_outside_its_domain():
+    mod = _module(RTN(4, 32))
+    x = torch.randn(20, 256).bfloat16()
+    tok, wt, counts = torch.arange(20), torch.ones(20), [20] + [0] * 7
+    assert moe_cpu.moe_prefill(mod, x.float(), tok, wt, counts) is None  # bf16 activations only
+    assert moe_cpu.moe_prefill(_module(BNB4("nf4", 64, True)), x, tok, wt, counts) is None  # NF4: dequant + matmul
+    bad = tok.clone()
+    bad[3] = 20  # a token index past the batch: refused before any read
+    assert moe_cpu.moe_prefill(mod, x, bad, wt, counts) is None
+    assert moe_cpu.moe_prefill(mod, x, tok, wt, counts) is not None
