@@ -106,8 +106,12 @@ static inline __attribute__((always_inline)) void tile_dot(const uint16_t* w, i6
 // at a time; N % TILE_R == 0. Token blocks of 48 or 32 (16 only when that is all there is).
 static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y, uint16_t* wt) {
     const i64 N = w->N, K = w->K;
+    const i64 rowb = packed_row_bytes(w->bits, K), tileb = TILE_R * rowb;
+    const char* codes = (const char*)w->q + e * N * rowb;
     for (i64 n0 = 0; n0 < N; n0 += TILE_R) {
         dequant_tile(w, perm4, e, n0, wt);
+        if (n0 + TILE_R < N)  // the next tile's codes on their way while this one's products run
+            for (i64 b = 0; b < tileb; b += 64) _mm_prefetch(codes + (n0 + TILE_R) * rowb + b, _MM_HINT_T1);
         float* yt = y + n0 * Pp;
         for (i64 p = 0; p < Pp;) {
             const i64 left = Pp - p;
