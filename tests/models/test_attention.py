@@ -116,3 +116,67 @@ def test_dense_head_gets_standard_strides(tiny_ckpt):
         last = m(ids, logits_to_keep=1).logits
         full = m(ids).logits
     assert torch.allclose(last[:, 0].float(), full[:, -1].float(), atol=1e-2)
+
+
+def _causal64(q, k, v, scale):
+    """float64 causal attention (query i sees keys <= i), grouped heads; [B, L, Hq, D]."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    L = q.shape[2]
+    s.masked_fill_(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(s, -1) @ vv).transpose(1, 2)
+
+
+@pytest.mark.parametrize("b,hq,hkv,L,d", [(1, 8, 2, 70, 64), (2, 4, 4, 33, 32), (1, 6, 1, 200, 96),
+                                          (1, 16, 4, 31, 128)])
+def test_native_prefill_attention_matches_float64(b, hq, hkv, L, d):
+    """A causal bf16 prompt without a mask runs the native flash-style kernel (key blocks of 32, 16 query rows per
+    task: lengths on and off those sizes, grouped and plain heads): within bf16 rounding of the float64 result, no
+    further from it than torch's own kernel, through the attention interface as transformers calls it."""
+    from moeq import native
+
+    if not native.has_dpbf16():
+        pytest.skip("the prefill kernel needs AVX512-BF16 (others keep transformers' sdpa)")
+    torch.manual_seed(L + d)
+    q = (torch.randn(b, hq, L, d) * 1.5).bfloat16()
+    k, v = torch.randn(b, hkv, L, d).bfloat16(), torch.randn(b, hkv, L, d).bfloat16()
+    mod = _Mod(hq // hkv)
+    ours = attention._native_prefill(mod, q, k, v, None, 0.0, 0.2, {})
+    assert ours is not None and ours.dtype == torch.bfloat16 and ours.shape == (b, L, hq, d)
+    via, _ = attention.attention_forward(mod, q, k, v, None, scaling=0.2)
+    assert torch.equal(via, ours)
+    exact = _causal64(q, k, v, 0.2)
+    ref, _ = sdpa_attention_forward(mod, q, k, v, None, scaling=0.2)
+    err = (ours.double() - exact).abs()
+    assert (err <= 2.0 ** -8 * exact.abs() + 2.0 ** -9 * v.double().abs().max()).all()
+    assert err.max() <= (ref.double() - exact).abs().max() * 1.5 + 1e-6
+
+
+def test_native_prefill_attention_domain():
+    """NaN in a visible score gives that row NaN (as torch's kernel), a future key's NaN changes nothing earlier;
+    masks, fp32, dropout and a non-causal module keep transformers' sdpa; an empty static cache's extra keys are
+    cropped as sdpa_attention_forward crops them."""
+    from moeq import native
+
+    if not native.has_dpbf16():
+        pytest.skip("the prefill kernel needs AVX512-BF16")
+    torch.manual_seed(0)
+    b, hq, hkv, L, d = 1, 4, 2, 40, 32
+    q = torch.randn(b, hq, L, d).bfloat16()
+    k, v = torch.randn(b, hkv, L, d).bfloat16(), torch.randn(b, hkv, L, d).bfloat16()
+    mod = _Mod(2)
+    k2 = k.clone()
+    k2[0, 0, 20, 3] = float("nan")  # seen by queries >= 20 of kv head 0 (q heads 0, 1)
+    out = attention._native_prefill(mod, q, k2, v, None, 0.0, None, {})
+    assert out[0, 20:, :2].isnan().all() and not out[0, :20].isnan().any() and not out[0, :, 2:].isnan().any()
+    mask = torch.ones(b, 1, L, L, dtype=torch.bool).tril()
+    assert attention._native_prefill(mod, q, k, v, mask, 0.0, None, {}) is None
+    assert attention._native_prefill(mod, q.float(), k.float(), v.float(), None, 0.0, None, {}) is None
+    assert attention._native_prefill(mod, q, k, v, None, 0.1, None, {}) is None
+    assert attention._native_prefill(mod, q, k, v, None, 0.0, None, {"is_causal": False}) is None
+    extra = torch.cat([k, torch.randn(b, hkv, 8, d).bfloat16()], 2), torch.cat([v, torch.randn(b, hkv, 8, d).bfloat16()], 2)
+    cropped = attention._native_prefill(mod, q, *extra, None, 0.0, None, {})
+    ref, _ = sdpa_attention_forward(mod, q, *extra, None)
+    assert torch.equal(cropped, attention._native_prefill(mod, q, k, v, None, 0.0, None, {}))
+    assert (cropped.float() - ref.float()).abs().max() < 0.02

@@ -127,6 +127,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
     "moeq_moe_prefill": (_INT, [_WS, _WS, _P, _I, _I, _I, _P, _P, _P, _I, _P]),
+    "moeq_attn_prefill_bf16": (_INT, [_P, _P, _P, _I, _I, _I, _I, _I, _F, _P]),
     "moeq_moe_forward_rtn4_bf16": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
     "moeq_moe_routed": (_INT, [_WS, _WS, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P]),
     # decode.c

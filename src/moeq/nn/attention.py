@@ -1,12 +1,13 @@
-"""Decode-step attention for CPU: transformers' ``sdpa`` with a cheaper path for one query token.
+"""CPU attention: transformers' ``sdpa`` with cheaper paths for one query token and for a causal prompt.
 
 torch's CPU ``scaled_dot_product_attention`` is a flash kernel built for long queries and costs several times more
 for a single query token against a short cache than the same product as three small fp32 ops — scores for each kv
 head's group of query heads, softmax, weighted values — which also compute in fp32 rather than bf16. bf16 inputs with
 at most one mask row per sequence go further: one native call that reads the cache in place (the README's "where the
-time goes" has the measured costs). Everything else (prefill,
-dropout, softcap, position bias, attention sinks, CUDA) is transformers' own ``sdpa_attention_forward``, and masks
-are built by its ``sdpa_mask``.
+time goes" has the measured costs). A causal prompt without a mask (bf16, AVX512-BF16) runs a native flash-style
+kernel (:func:`_native_prefill`: torch's CPU flash kernel reaches ~10% of the dot-product peak there). Everything
+else (padded batches, dropout, softcap, position bias, attention sinks, CUDA) is transformers' own
+``sdpa_attention_forward``, and masks are built by its ``sdpa_mask``.
 
 Registered with transformers' attention and mask interfaces under :data:`NAME`; :func:`use` switches a model that
 runs ``sdpa`` to it.
@@ -38,6 +39,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
               and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[-1] == s
                                               and attention_mask.shape[1] in (1, hq) and attention_mask.shape[2] == 1)))
     if not simple:
+        out = _native_prefill(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if out is not None:
+            return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     g = hq // hkv
@@ -90,6 +94,33 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
                                               None if add is None else add.data_ptr(), b, hq, hkv, s, d, scale,
                                               out.data_ptr())
     return out
+
+
+def _native_prefill(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                    kwargs: dict) -> torch.Tensor | None:
+    """A causal prompt without a mask (what ``sdpa`` runs with ``is_causal``), bf16, on AVX512-BF16:
+    ``moeq_attn_prefill_bf16`` (flash-style, fp32 softmax; native/csrc/gemm.c), ``[B, L, Hq, D]``; else None. Keys
+    beyond the queries are cropped first, as ``sdpa_attention_forward`` does (an empty static cache)."""
+    b, hq, q_len, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if not (q_len > 1 and causal and attention_mask is None and dropout == 0.0 and s >= q_len
+            and query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and hq % hkv == 0 and d % 32 == 0 and d <= 512 and value.shape == key.shape
+            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
+            and not kwargs.get("output_attentions", False) and native.has_dpbf16()):
+        return None
+    q, k, v = query.contiguous(), key[:, :, :q_len].contiguous(), value[:, :, :q_len].contiguous()
+    out = torch.empty(b, q_len, hq, d, dtype=torch.bfloat16)
+    scale = d ** -0.5 if scaling is None else scaling
+    rc = native.lib().moeq_attn_prefill_bf16(native.ptr(q), native.ptr(k), native.ptr(v), native.i64(b),
+                                             native.i64(hq), native.i64(hkv), native.i64(q_len), native.i64(d),
+                                             float(scale), native.ptr(out))
+    if rc == -1:
+        raise MemoryError("moeq_attn_prefill_bf16: could not allocate its scratch")
+    return out if rc == 1 else None
 
 
 AttentionInterface.register(NAME, attention_forward)

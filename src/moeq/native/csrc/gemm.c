@@ -272,3 +272,153 @@ int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16
     return 0;
 #endif
 }
+
+// ------------------------------------------------------------------------------------------------------------------
+// Causal attention of a prompt (queries 0..L-1 against keys 0..L-1, query i seeing keys <= i; the top-left causal
+// mask of torch's scaled_dot_product_attention with is_causal), grouped-query heads, bf16 in and out, fp32 softmax.
+// Flash-style: per task the g query heads sharing a kv head at QB consecutive positions (16 rows); key blocks of 32
+// scored by tile_dot (queries as the weight rows, keys in the lanes: k transposed to bf16 pairs [D/2][Sp]), an online
+// softmax per row, and P V with D in the lanes (v as pairs of keys [Sp/2][D], the probabilities' pairs broadcast).
+#if defined(__AVX512BF16__)
+enum { ATT_R = 16, ATT_KB = 32 };
+
+// rows [ATT_R][D] (bf16) of one task; o: ATT_R x D fp32 accumulators; m, l: running max and sum per row.
+static void attn_task(const uint16_t* qrows, const int* qpos, i64 D, const uint32_t* kt, const uint32_t* vp, i64 Sp,
+                      float scale, float* o, uint16_t* out, i64 ostride) {
+    float m[ATT_R], l[ATT_R], s[ATT_R * ATT_KB];
+    uint32_t pp[ATT_R * ATT_KB / 2];
+    __mmask16 bad[ATT_R] = {0};  // a NaN among a row's visible scores: the row's output is NaN (as torch's)
+    int last = 0;
+    for (int r = 0; r < ATT_R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        last = qpos[r] > last ? qpos[r] : last;
+    }
+    memset(o, 0, (size_t)(ATT_R * D) * sizeof(float));
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (i64 k0 = 0; k0 <= last; k0 += ATT_KB) {
+        tile_dot(qrows, D, kt + k0, Sp, 0, 8, 2, s, ATT_KB);
+        tile_dot(qrows + 8 * D, D, kt + k0, Sp, 0, 8, 2, s + 8 * ATT_KB, ATT_KB);
+        __m512 alpha[ATT_R];
+        for (int r = 0; r < ATT_R; r++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(s + r * ATT_KB), _mm512_set1_ps(scale));
+            __m512 b = _mm512_mul_ps(_mm512_loadu_ps(s + r * ATT_KB + 16), _mm512_set1_ps(scale));
+            const __m512i lim = _mm512_set1_epi32(qpos[r] - (int)k0);  // keys past the row's position: -inf
+            a = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(lane, lim), a, _mm512_set1_ps(-INFINITY));
+            b = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lim), b,
+                                     _mm512_set1_ps(-INFINITY));
+            bad[r] |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+            const float mn = mx > m[r] ? mx : m[r];  // key 0 is always visible: finite from the first block on
+            const float al = expf(m[r] - mn);
+            m[r] = mn;
+            a = exp512(_mm512_sub_ps(a, _mm512_set1_ps(mn)));
+            b = exp512(_mm512_sub_ps(b, _mm512_set1_ps(mn)));
+            a = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(lane, lim), a);  // exact zeros where masked
+            b = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lim), b);
+            l[r] = l[r] * al + _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+            alpha[r] = _mm512_set1_ps(al);
+            _mm512_storeu_si512(pp + r * (ATT_KB / 2), (__m512i)_mm512_cvtne2ps_pbh(b, a));  // key pairs in order
+        }
+        const uint32_t* vb = vp + (k0 / 2) * D;
+        for (int r = 0; r < ATT_R; r += 2)
+            for (i64 d0 = 0; d0 < D; d0 += 128) {  // 8 vectors of D per row pair
+                const int nd = D - d0 >= 128 ? 8 : (int)((D - d0) / 16);
+                __m512 acc[2][8];
+                for (int j = 0; j < 2; j++)
+                    for (int z = 0; z < nd; z++)
+                        acc[j][z] = _mm512_mul_ps(_mm512_loadu_ps(o + (r + j) * D + d0 + 16 * z), alpha[r + j]);
+                for (int t = 0; t < ATT_KB / 2; t++) {
+                    const __m512bh p0 = (__m512bh)_mm512_set1_epi32((int)pp[r * (ATT_KB / 2) + t]);
+                    const __m512bh p1 = (__m512bh)_mm512_set1_epi32((int)pp[(r + 1) * (ATT_KB / 2) + t]);
+                    for (int z = 0; z < nd; z++) {
+                        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vb + t * D + d0 + 16 * z);
+                        acc[0][z] = _mm512_dpbf16_ps(acc[0][z], vv, p0);
+                        acc[1][z] = _mm512_dpbf16_ps(acc[1][z], vv, p1);
+                    }
+                }
+                for (int j = 0; j < 2; j++)
+                    for (int z = 0; z < nd; z++) _mm512_storeu_ps(o + (r + j) * D + d0 + 16 * z, acc[j][z]);
+            }
+    }
+    for (int r = 0; r < ATT_R; r++) {
+        const __m512 inv = _mm512_set1_ps(bad[r] ? NAN : 1.f / l[r]);
+        for (i64 d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i*)(out + r * ostride + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
+    }
+}
+#endif
+
+// out [B, L, Hq, D] = softmax(q k^T * scale, causal) v for q [B, Hq, L, D], k, v [B, Hkv, L, D] (all bf16,
+// contiguous; Hq % Hkv == 0, D % 32 == 0). Returns 0 (nothing written) without AVX512-BF16 or outside that domain, -1
+// when scratch could not be allocated.
+int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, i64 B, i64 Hq, i64 Hkv, i64 L,
+                           i64 D, float scale, uint16_t* out) {
+#if defined(__AVX512BF16__)
+    if (B <= 0 || L <= 0 || Hkv <= 0 || Hq % Hkv || D % 32 || D > 512) return 0;
+    const i64 g = Hq / Hkv, Sp = (L + ATT_KB - 1) / ATT_KB * ATT_KB, nkv = B * Hkv;
+    uint32_t* kt = (uint32_t*)malloc((size_t)(nkv * (D / 2) * Sp) * sizeof(uint32_t));
+    uint32_t* vp = (uint32_t*)malloc((size_t)(nkv * (Sp / 2) * D) * sizeof(uint32_t));
+    if (!kt || !vp) {
+        free(kt);
+        free(vp);
+        return -1;
+    }
+    // tasks: per kv head, rows (query position, head of the group) in blocks of ATT_R, latest positions first
+    const i64 rows = L * g, per_kv = (rows + ATT_R - 1) / ATT_R, ntask = nkv * per_kv;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (i64 c = 0; c < nkv; c++) {
+            const uint16_t* kc = k + c * L * D;
+            const uint16_t* vc = v + c * L * D;
+            uint32_t* ktc = kt + c * (D / 2) * Sp;
+            uint32_t* vpc = vp + c * (Sp / 2) * D;
+            for (i64 d2 = 0; d2 < D / 2; d2++)
+                for (i64 s = 0; s < Sp; s++) {
+                    uint32_t pair = 0;
+                    if (s < L) memcpy(&pair, kc + s * D + 2 * d2, 4);
+                    ktc[d2 * Sp + s] = pair;
+                }
+            for (i64 s2 = 0; s2 < Sp / 2; s2++)
+                for (i64 d = 0; d < D; d++) {
+                    const uint32_t lo = 2 * s2 < L ? vc[2 * s2 * D + d] : 0, hi = 2 * s2 + 1 < L ? vc[(2 * s2 + 1) * D + d] : 0;
+                    vpc[s2 * D + d] = lo | hi << 16;
+                }
+        }
+        uint16_t* qrows = (uint16_t*)aligned_alloc(64, (size_t)(ATT_R * D) * sizeof(uint16_t));
+        float* o = (float*)aligned_alloc(64, (size_t)(ATT_R * D) * sizeof(float));
+        uint16_t* ob = (uint16_t*)aligned_alloc(64, (size_t)(ATT_R * D) * sizeof(uint16_t));
+#pragma omp for schedule(dynamic, 1)
+        for (i64 t = 0; t < ntask; t++) {
+            if (!qrows || !o || !ob) continue;
+            const i64 c = t / per_kv, blk = per_kv - 1 - t % per_kv, b = c / Hkv, hk = c % Hkv;
+            int qpos[ATT_R];
+            for (int r = 0; r < ATT_R; r++) {
+                const i64 row = blk * ATT_R + r, i = row / g, h = hk * g + row % g;
+                qpos[r] = row < rows ? (int)i : -1;
+                if (row < rows) memcpy(qrows + r * D, q + ((b * Hq + h) * L + i) * D, (size_t)D * sizeof(uint16_t));
+                else memset(qrows + r * D, 0, (size_t)D * sizeof(uint16_t));
+            }
+            int qp2[ATT_R];
+            for (int r = 0; r < ATT_R; r++) qp2[r] = qpos[r] < 0 ? 0 : qpos[r];
+            attn_task(qrows, qp2, D, kt + c * (D / 2) * Sp, vp + c * (Sp / 2) * D, Sp, scale, o, ob, D);
+            for (int r = 0; r < ATT_R; r++) {
+                if (qpos[r] < 0) continue;
+                const i64 row = blk * ATT_R + r, i = row / g, h = hk * g + row % g;
+                memcpy(out + ((b * L + i) * Hq + h) * D, ob + r * D, (size_t)D * sizeof(uint16_t));
+            }
+        }
+        free(qrows);
+        free(o);
+        free(ob);
+    }
+    free(kt);
+    free(vp);
+    return 1;
+#else
+    (void)q; (void)k; (void)v; (void)B; (void)Hq; (void)Hkv; (void)L; (void)D; (void)scale; (void)out;
+    return 0;
+#endif
+}

@@ -261,6 +261,8 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
 // ---- exports (gemm.c) ----
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
+int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, i64 B, i64 Hq, i64 Hkv, i64 L,
+                           i64 D, float scale, uint16_t* out);
 // One MoE decoder layer for moeq_layer_pre/attn/moe (decode.c), mirrored by moeq.native.Layer.
 typedef struct {
     const uint16_t* ln1;            // input RMSNorm weight [H] (bf16)
