@@ -347,46 +347,40 @@ int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void*
 // routers (a few hundred KB of weight), where torch's CPU bf16 gemv is dominated by dispatch, and kept heads. K % 32 == 0;
 // returns 0 (nothing written) otherwise or without AVX512-BF16 or AVX2.
 #if defined(__AVX512BF16__)
-// R weight rows (1 or 4) against M (1..4) x rows, one accumulator per (weight row, x row): per 32 columns R + M loads
-// serve R * M dot products. The per-row loop it replaces at M > 1 loaded a weight and an x vector per dot product and
-// was bound by those loads: 4 rows of the 151936x2048 bf16 head 51 -> 28 ms (measured side by side), bit-identical
-// (each output one chain in column order, as before).
-static inline __attribute__((always_inline)) void bf16_tile512(const uint16_t* w, const uint16_t* x, const i64 R,
-                                                               const i64 M, i64 K, float* out) {
-    __m512 acc[4][4];
-    for (i64 r = 0; r < R; r++)
-        for (i64 m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+// One weight row against M (1..4) x rows, one accumulator per x row: per 32 columns 1 + M loads serve M dot
+// products, and each thread reads one weight stream. (Tiles of 4 weight rows x M x rows were 51 -> 28 ms over the
+// per-row loop before this one on 4 rows of the 151936x2048 bf16 head; this form is at the read probe's speed there:
+// 15-17 ms against 19-23 for the tiles at 2-4 rows, measured side by side — four streams per core cost more than
+// the loads they saved.) Each output one chain in column order.
+static inline __attribute__((always_inline)) void bf16_row512(const uint16_t* w, const uint16_t* x, const i64 M, i64 K,
+                                                              float* out) {
+    __m512 acc[4];
+    for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (i64 k = 0; k < K; k += 32) {
-        __m512bh wv[4];
-        for (i64 r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-        for (i64 m = 0; m < M; m++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-            for (i64 r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-        }
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (i64 m = 0; m < M; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
     }
-    for (i64 r = 0; r < R; r++)
-        for (i64 m = 0; m < M; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 #endif
 
 int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
 #if defined(__AVX512BF16__)
     if (K % 32) return 0;
-    const i64 NT = M > 1 ? N / 4 : 0;  // several x rows: tiles of 4 weight rows, then the rest one by one
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
-    for (i64 t = 0; t < NT + (N - 4 * NT); t++) {
-        const i64 n = t < NT ? 4 * t : 4 * NT + (t - NT), R = t < NT ? 4 : 1;
+    for (i64 n = 0; n < N; n++)
         for (i64 m0 = 0; m0 < M; m0 += 4) {
             const i64 mc = M - m0 < 4 ? M - m0 : 4;
-            float o[16];
-            const uint16_t *wn = w + n * K, *xm = x + m0 * K;
-#define BT(c) case c: if (R == 4) bf16_tile512(wn, xm, 4, c, K, o); else bf16_tile512(wn, xm, 1, c, K, o); break;
-            switch (mc) { BT(1) BT(2) BT(3) BT(4) }
-#undef BT
-            for (i64 m = 0; m < mc; m++)
-                for (i64 r = 0; r < R; r++) y[(m0 + m) * N + n + r] = f2bf(o[m * 4 + r]);
+            float o[4];
+            switch (mc) {
+                case 1: bf16_row512(w + n * K, x + m0 * K, 1, K, o); break;
+                case 2: bf16_row512(w + n * K, x + m0 * K, 2, K, o); break;
+                case 3: bf16_row512(w + n * K, x + m0 * K, 3, K, o); break;
+                default: bf16_row512(w + n * K, x + m0 * K, 4, K, o); break;
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = f2bf(o[m]);
         }
-    }
     return 1;
 #elif defined(MOEQ_AVX2)
     if (K % 32) return 0;
