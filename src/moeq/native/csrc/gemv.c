@@ -365,26 +365,17 @@ static inline __attribute__((always_inline)) void bf16_row512(const uint16_t* w,
 }
 #endif
 
-int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
 #if defined(__AVX512BF16__)
-    if (K % 32) return 0;
-#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
-    for (i64 n = 0; n < N; n++)
-        for (i64 m0 = 0; m0 < M; m0 += 4) {
-            const i64 mc = M - m0 < 4 ? M - m0 : 4;
-            float o[4];
-            switch (mc) {
-                case 1: bf16_row512(w + n * K, x + m0 * K, 1, K, o); break;
-                case 2: bf16_row512(w + n * K, x + m0 * K, 2, K, o); break;
-                case 3: bf16_row512(w + n * K, x + m0 * K, 3, K, o); break;
-                default: bf16_row512(w + n * K, x + m0 * K, 4, K, o); break;
-            }
-            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = f2bf(o[m]);
-        }
-    return 1;
+#define BF16_ROWS bf16_row512
 #elif defined(MOEQ_AVX2)
+#define BF16_ROWS bf16_rows_avx2
+#endif
+
+int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, uint16_t* y) {
+#if defined(BF16_ROWS)
     if (K % 32) return 0;
-    if (M == 1) {
+#if !defined(__AVX512BF16__)
+    if (M == 1) {  // AVX2, one row: x split to fp32 once
         float* xs = (float*)malloc((size_t)K * sizeof(float));
         if (!xs) return 0;
         x_split16_bf16(x, K, xs);
@@ -393,16 +384,17 @@ int moeq_bf16_gemv(const uint16_t* x, i64 M, const uint16_t* w, i64 N, i64 K, ui
         free(xs);
         return 1;
     }
+#endif
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (i64 n = 0; n < N; n++)
         for (i64 m0 = 0; m0 < M; m0 += 4) {
             const i64 mc = M - m0 < 4 ? M - m0 : 4;
             float o[4];
             switch (mc) {
-                case 1: bf16_rows_avx2(w + n * K, x + m0 * K, 1, K, o); break;
-                case 2: bf16_rows_avx2(w + n * K, x + m0 * K, 2, K, o); break;
-                case 3: bf16_rows_avx2(w + n * K, x + m0 * K, 3, K, o); break;
-                default: bf16_rows_avx2(w + n * K, x + m0 * K, 4, K, o); break;
+                case 1: BF16_ROWS(w + n * K, x + m0 * K, 1, K, o); break;
+                case 2: BF16_ROWS(w + n * K, x + m0 * K, 2, K, o); break;
+                case 3: BF16_ROWS(w + n * K, x + m0 * K, 3, K, o); break;
+                default: BF16_ROWS(w + n * K, x + m0 * K, 4, K, o); break;
             }
             for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = f2bf(o[m]);
         }
