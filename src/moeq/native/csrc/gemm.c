@@ -360,16 +360,24 @@ int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
 #if defined(__AVX512BF16__)
     if (B <= 0 || L <= 0 || Hkv <= 0 || Hq % Hkv || D % 32 || D > 512) return 0;
     const i64 g = Hq / Hkv, Sp = (L + ATT_KB - 1) / ATT_KB * ATT_KB, nkv = B * Hkv;
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+#else
+    const int nt = 1;
+#endif
     uint32_t* kt = (uint32_t*)malloc((size_t)(nkv * (D / 2) * Sp) * sizeof(uint32_t));
     uint32_t* vp = (uint32_t*)malloc((size_t)(nkv * (Sp / 2) * D) * sizeof(uint32_t));
-    if (!kt || !vp) {
+    // per thread: a task's query rows and output rows (bf16) and its fp32 accumulators
+    float* work = (float*)malloc((size_t)(nt * 2 * ATT_R * D) * sizeof(float));
+    if (!kt || !vp || !work) {
         free(kt);
         free(vp);
+        free(work);
         return -1;
     }
     // tasks: per kv head, rows (query position, head of the group) in blocks of ATT_R, latest positions first
     const i64 rows = L * g, per_kv = (rows + ATT_R - 1) / ATT_R, ntask = nkv * per_kv;
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
     {
 #pragma omp for schedule(static)
         for (i64 c = 0; c < nkv; c++) {
@@ -389,12 +397,15 @@ int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
                     vpc[s2 * D + d] = lo | hi << 16;
                 }
         }
-        uint16_t* qrows = (uint16_t*)aligned_alloc(64, (size_t)(ATT_R * D) * sizeof(uint16_t));
-        float* o = (float*)aligned_alloc(64, (size_t)(ATT_R * D) * sizeof(float));
-        uint16_t* ob = (uint16_t*)aligned_alloc(64, (size_t)(ATT_R * D) * sizeof(uint16_t));
+#ifdef _OPENMP
+        float* o = work + omp_get_thread_num() * 2 * ATT_R * D;
+#else
+        float* o = work;
+#endif
+        uint16_t* qrows = (uint16_t*)(o + ATT_R * D);
+        uint16_t* ob = qrows + ATT_R * D;
 #pragma omp for schedule(dynamic, 1)
         for (i64 t = 0; t < ntask; t++) {
-            if (!qrows || !o || !ob) continue;
             const i64 c = t / per_kv, blk = per_kv - 1 - t % per_kv, b = c / Hkv, hk = c % Hkv;
             int qpos[ATT_R];
             for (int r = 0; r < ATT_R; r++) {
@@ -412,12 +423,10 @@ int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
                 memcpy(out + ((b * L + i) * Hq + h) * D, ob + r * D, (size_t)D * sizeof(uint16_t));
             }
         }
-        free(qrows);
-        free(o);
-        free(ob);
     }
     free(kt);
     free(vp);
+    free(work);
     return 1;
 #else
     (void)q; (void)k; (void)v; (void)B; (void)Hq; (void)Hkv; (void)L; (void)D; (void)scale; (void)out;
