@@ -148,10 +148,7 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     e, two_i, h = w13.shape
     i = two_i // 2
     xf = x.float().contiguous()
-    starts = torch.zeros(e + 1, dtype=torch.int64)
-    starts[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    tok = token_of.to(torch.int64).contiguous()
-    wts = weight_of.float().contiguous()
+    starts, tok, wts = _grouped(token_of, weight_of, counts)
     out = torch.zeros_like(xf)
     if _expert_parallel(s13, s2):
         scratch = _scratch(s13, s2, sum(1 for c in counts if c))
@@ -163,6 +160,15 @@ def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: 
     L.moeq_moe_forward(ctypes.byref(s13), ctypes.byref(s2), native.ptr(xf), native.i64(h), native.i64(i), native.ptr(tok),
                        native.ptr(wts), native.ptr(starts), native.i64(e), native.ptr(out), native.ptr(scratch))
     return out.to(x.dtype)
+
+
+def _grouped(token_of: torch.Tensor, weight_of: torch.Tensor,
+             counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert as the native layer kernels take them: each expert's first pair (``[E + 1]``, int64),
+    the pairs' tokens (int64) and weights (fp32)."""
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    starts[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    return starts, token_of.to(torch.int64).contiguous(), weight_of.float().contiguous()
 
 
 def _expert_parallel(s13: WStack, s2: WStack) -> bool:
@@ -235,10 +241,7 @@ def moe_prefill(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torc
     s13, s2 = stacks
     t, h = x.shape
     xb = x.contiguous()
-    starts = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    starts[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    tok = token_of.to(torch.int64).contiguous()
-    wts = weight_of.float().contiguous()
+    starts, tok, wts = _grouped(token_of, weight_of, counts)
     out = torch.zeros(t, h, dtype=torch.float32)
     rc = L.moeq_moe_prefill(ctypes.byref(s13), ctypes.byref(s2), native.ptr(xb), native.i64(t), native.i64(h),
                             native.i64(s2.K), native.ptr(tok), native.ptr(wts), native.ptr(starts),

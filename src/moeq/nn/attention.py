@@ -27,15 +27,21 @@ from moeq import native
 NAME = "moeq_sdpa"
 
 
+def _plain(dropout: float, kwargs: dict) -> bool:
+    """Plain softmax attention: no dropout, softcap, position bias, attention sinks or returned weights (what the
+    native paths compute)."""
+    return (dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+            and kwargs.get("s_aux") is None and not kwargs.get("output_attentions", False))
+
+
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """``query [B, Hq, 1, D]``, ``key/value [B, Hkv, S, D]`` -> ``([B, 1, Hq, D], None)`` like ``sdpa``."""
     b, hq, q_len, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
-    simple = (q_len == 1 and query.device.type == "cpu" and dropout == 0.0 and hq % hkv == 0
-              and value.shape[-1] == d and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
-              and kwargs.get("s_aux") is None and not kwargs.get("output_attentions", False)
+    simple = (q_len == 1 and query.device.type == "cpu" and _plain(dropout, kwargs) and hq % hkv == 0
+              and value.shape[-1] == d
               and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[-1] == s
                                               and attention_mask.shape[1] in (1, hq) and attention_mask.shape[2] == 1)))
     if not simple:
@@ -106,11 +112,9 @@ def _native_prefill(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     hkv, s = key.shape[1], key.shape[2]
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    if not (q_len > 1 and causal and attention_mask is None and dropout == 0.0 and s >= q_len
+    if not (q_len > 1 and causal and attention_mask is None and _plain(dropout, kwargs) and s >= q_len
             and query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            and hq % hkv == 0 and d % 32 == 0 and d <= 512 and value.shape == key.shape
-            and kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
-            and not kwargs.get("output_attentions", False) and native.has_dpbf16()):
+            and hq % hkv == 0 and d % 32 == 0 and d <= 512 and value.shape == key.shape and native.has_dpbf16()):
         return None
     q, k, v = query.contiguous(), key[:, :, :q_len].contiguous(), value[:, :, :q_len].contiguous()
     out = torch.empty(b, q_len, hq, d, dtype=torch.bfloat16)
