@@ -93,7 +93,7 @@ def set_activations(model: nn.Module, mode: str) -> dict[str, list[str]]:
             continue
         mod.activations = mode
         if mode == "int8":
-            ws = [mod.qweight] if isinstance(mod, QuantLinear) else [mod.w13, mod.w2]
+            ws = [mod.qweight] if isinstance(mod, QuantLinear) else [mod.packed(s, raw=True) for s in ("w13", "w2")]
             out["int8" if all(takes_int8(w) for w in ws) else "default"].append(name)
         else:
             out["default"].append(name)

@@ -155,7 +155,7 @@ def bytes_per_token(model: nn.Module, top_k: int) -> float:
     total = 0.0
     for name, mod in model.named_modules():
         if isinstance(mod, QuantExperts):
-            total += (mod.w13.nbytes + mod.w2.nbytes) * top_k / mod.num_experts
+            total += (mod.packed("w13", raw=True).nbytes + mod.packed("w2", raw=True).nbytes) * top_k / mod.num_experts
             continue
         if name.endswith("experts") and hasattr(mod, "gate_up_proj"):
             per = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))

@@ -77,3 +77,19 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     b = packed.unflatten(-1, (-1, 3)).to(torch.int32)  # [..., K/8, 3]
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     return torch.stack([(word >> (3 * i)) & 0x7 for i in range(8)], dim=-1).flatten(-2).to(torch.uint8)
+
+
+# The il16 decode layout of 4-bit stacks (moeq/native/csrc/il16_rows.h): within each block of 16 rows, the
+# [16 rows, units] grid transposed to [units, 16 rows]; a unit is 2 bytes of packed 4-bit codes (4 elements) or one
+# group's scale. Pure permutations of a tensor's last two dims (N % 16 == 0), exactly invertible.
+def to_il16(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """``[..., N, C]`` (``C % unit == 0``) in il16's order, same shape: per 16-row block ``[16, C/unit, unit]`` ->
+    ``[C/unit, 16, unit]``."""
+    *lead, n, c = t.shape
+    return t.reshape(*lead, n // 16, 16, c // unit, unit).transpose(-3, -2).contiguous().reshape(t.shape)
+
+
+def from_il16(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """The inverse of :func:`to_il16`."""
+    *lead, n, c = t.shape
+    return t.reshape(*lead, n // 16, c // unit, 16, unit).transpose(-3, -2).contiguous().reshape(t.shape)

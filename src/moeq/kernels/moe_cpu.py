@@ -20,7 +20,8 @@ MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measure
 _DESCRIBERS, describer = by_format("native weight description")
 
 
-def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool = False) -> WStack | None:
+def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool = False,
+             il16: bool = False) -> WStack | None:
     """Describe an expert stack ``[E, N, K]`` (or one weight ``[N, K]``) for the native kernels, or None outside their
     formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
     may take activations as bf16 (AVX512-BF16 dot products) or, on AVX2 builds, RTN and codebook grids as int16
@@ -32,9 +33,32 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
     e = w.shape[0] if len(w.shape) == 3 else 1
     n, k = w.shape[-2:]
     stack = fn(w, e, n, k, keep, dot_bf16)
-    if stack is not None and act_i8:
+    if stack is not None and act_i8 and not il16:
         stack.act_i8 = int(takes_int8(w))
+    if stack is not None and il16:  # w's codes and scales are in the il16 layout: only its kernels may read them
+        stack.il16 = 1
+        if not stack.lut:  # the symmetric 4-bit grids: value = scale * (q - 8), read through the signed table
+            values, lut = codebook_tables("signed")
+            keep += [values, lut]
+            stack.lut = lut.data_ptr()
     return stack
+
+
+def il16_takes(module) -> bool:
+    """Whether both stacks of a :class:`~moeq.nn.QuantExperts` can be held in the il16 decode layout: bf16 RTN
+    stacks on CPU inside ``moeq_il16_takes``' domain (AVX512-BF16 builds)."""
+    L = native.lib()
+    if L is None or not native.has_dpbf16():
+        return False
+    keep: list = []
+    for slot in ("w13", "w2"):
+        w = module.packed(slot, raw=True)
+        if not isinstance(w, RTNWeight) or w.dtype != torch.bfloat16 or w.qdata.device.type != "cpu":
+            return False
+        stack = describe(w, keep, dot_bf16=True, il16=True)
+        if stack is None or not L.moeq_il16_takes(ctypes.byref(stack)):
+            return False
+    return True
 
 
 def takes_int8(w: PackedWeight) -> bool:
@@ -134,17 +158,19 @@ def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: 
                   nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
 
 
-def moe_forward(w13: PackedWeight, w2: PackedWeight, x: torch.Tensor, token_of: torch.Tensor,
-                weight_of: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-    """``sum_pairs weight * w2[e] @ silu-glu(w13[e] @ x[token])`` for pairs grouped by expert, or None."""
+def moe_forward(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torch.Tensor,
+                counts: list[int]) -> torch.Tensor | None:
+    """``sum_pairs weight * w2[e] @ silu-glu(w13[e] @ x[token])`` for a :class:`~moeq.nn.QuantExperts`' pairs grouped
+    by expert (the default activations: a prompt's experts with few rows), or None."""
     L = native.lib()
     if L is None or x.device.type != "cpu" or max(counts) > MAX_ROWS:
         return None
-    keep: list = []
     dot = x.dtype == torch.bfloat16 and native.has_simd()
-    s13, s2 = describe(w13, keep, dot), describe(w2, keep, dot)
-    if s13 is None or s2 is None:
+    stacks = _plan(module, dot, act=False)
+    if stacks is None:
         return None
+    s13, s2 = stacks
+    w13 = module.packed("w13", raw=True)
     e, two_i, h = w13.shape
     i = two_i // 2
     xf = x.float().contiguous()
@@ -186,17 +212,19 @@ def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:
     return torch.empty(8 * h * 2 + 8 * 3 * i + 2 * 8 * kmax + 8 * (kmax // 16 + 1) + nmax * kmax // 32 + 64)
 
 
-def _plan(module, dot: bool) -> tuple[WStack, WStack] | None:
-    """The module's two stacks described for the kernel, built once and reused while its buffers stay the same
-    tensors (``.to()``, reloading or re-quantizing replaces them and so rebuilds the plan) and its ``activations``
-    option the same."""
-    act = getattr(module, "activations", "default") == "int8"
+def _plan(module, dot: bool, act: bool | None = None) -> tuple[WStack, WStack] | None:
+    """The module's two stacks described for the kernel as held (row-major or il16), built once and reused while
+    its buffers stay the same tensors (``.to()``, reloading, re-quantizing or a layout change replace them and so
+    rebuild the plan) and its ``activations`` option the same (``act``: int8 activations, default the module's)."""
+    act = getattr(module, "activations", "default") == "int8" if act is None else act
     key = (dot, act, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
     slot = native.plan_slot(module, "_moe_plan")
     plan = slot.value
     if plan is None or plan[0] != key:
         keep: list = []
-        stacks = describe(module.w13, keep, dot, act), describe(module.w2, keep, dot, act)
+        stacks = tuple(describe(module.packed(s, raw=True), keep, dot, act, il16=module.il16(s)) for s in ("w13", "w2"))
+        if any(st is not None and st.il16 and not st.dot_bf16 for st in stacks):
+            stacks = (None, None)  # il16 codes only have bf16-activation kernels
         plan = slot.value = (key, None if None in stacks else stacks, keep)
     return plan[1]
 

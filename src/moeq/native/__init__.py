@@ -33,7 +33,7 @@ from moeq.errors import MoeqError
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c")
-HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h")
+HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h", "il16_rows.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
 
@@ -61,7 +61,7 @@ class WStack(ctypes.Structure):
                 ("offset", ctypes.c_void_p), ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p),
                 ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("values", ctypes.c_void_p),
                 ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p), ("act_i8", ctypes.c_int),
-                ("rows16", ctypes.c_void_p), ("rows16_layout", ctypes.c_int)]
+                ("rows16", ctypes.c_void_p), ("rows16_layout", ctypes.c_int), ("il16", ctypes.c_int)]
 
 
 class Layer(ctypes.Structure):
@@ -123,6 +123,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_rows16_size": (_I, [_WS]),
     "moeq_rows16_pack": (_INT, [_WS, _INT, _P]),
     "moeq_rows16_gemv": (_INT, [_WS, _P, _I, _P]),
+    "moeq_il16_takes": (_INT, [_WS]),
     # moe.c
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),

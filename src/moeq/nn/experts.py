@@ -18,8 +18,8 @@ from transformers.activations import ACT2FN
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear, matmul_dtype
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
-from moeq.kernels.moe_cpu import moe_forward, moe_prefill, moe_routed
-from moeq.nn.packed import get_packed, set_packed
+from moeq.kernels.moe_cpu import il16_takes, moe_forward, moe_prefill, moe_routed
+from moeq.nn.packed import get_packed, is_il16, set_il16, set_packed
 
 # Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
 # (~100 MB per 1000 tokens at Qwen3-30B-A3B's shapes); each further pass re-dequantizes the active experts once.
@@ -64,30 +64,78 @@ class QuantExperts(nn.Module):
         set_packed(self, "w2", w2)
         self.b13 = None if b13 is None else nn.Parameter(b13, requires_grad=False)  # [E, 2I]
         self.b2 = None if b2 is None else nn.Parameter(b2, requires_grad=False)  # [E, H]
-        self.activations = "default"  # decode numerics: "int8" is moeq.set_activations' option
+        self.__dict__["_activations"] = "default"
+        self.__dict__["_decode_layout"] = "auto"
         self.choose_kernel()
 
     @property
     def w13(self) -> PackedWeight:
+        """The gate/up stack, row-major (a permuted copy while the module holds the il16 decode layout)."""
         return get_packed(self, "w13")
 
     @property
     def w2(self) -> PackedWeight:
         return get_packed(self, "w2")
 
+    def packed(self, slot: str, raw: bool = False) -> PackedWeight:
+        """A stack as :attr:`w13` / :attr:`w2` give it, or with ``raw`` as held (the native kernels' view; see
+        :meth:`il16`)."""
+        return get_packed(self, slot, raw)
+
+    def il16(self, slot: str) -> bool:
+        """Whether the stack is held in the il16 decode layout (``moeq/native/csrc/il16_rows.h``)."""
+        return is_il16(self, slot)
+
+    @property
+    def activations(self) -> str:
+        """Decode numerics: ``"default"`` or ``"int8"`` (:func:`moeq.set_activations`' option)."""
+        return self.__dict__["_activations"]
+
+    @activations.setter
+    def activations(self, mode: str) -> None:
+        self.__dict__["_activations"] = mode
+        self.choose_layout()
+
+    @property
+    def decode_layout(self) -> str:
+        """``"auto"``: the stacks take the il16 decode layout where :meth:`choose_layout` finds its kernels;
+        ``"rows"``: always row-major (e.g. to compare the two)."""
+        return self.__dict__["_decode_layout"]
+
+    @decode_layout.setter
+    def decode_layout(self, layout: str) -> None:
+        if layout not in ("auto", "rows"):
+            raise ValueError(f"decode_layout must be 'auto' or 'rows', got {layout!r}")
+        self.__dict__["_decode_layout"] = layout
+        self.choose_layout()
+
     def extra_repr(self) -> str:
+        layout = "il16" if self.il16("w13") else "rows"
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, inter={self.intermediate_dim}, "
-                f"kernel={self.kernel}, w13={self.w13!r}")
+                f"kernel={self.kernel}, layout={layout}, w13={self.packed('w13', raw=True)!r}")
 
     def choose_kernel(self) -> str:
         """Pick the forward for where the weights live and what the module computes, once (at build and after
         ``.to()``): ``triton`` on CUDA, ``native`` on CPU for SiLU-GLU experts without biases or input weighting
-        (the fused decode kernels), else ``torch`` (dequantize + matmul per routed expert)."""
-        dev = self.w13.device.type
+        (the fused decode kernels), else ``torch`` (dequantize + matmul per routed expert); then the layout
+        (:meth:`choose_layout`)."""
+        dev = next(t for k, t in self._buffers.items() if k.startswith("w13_") and t is not None).device.type
         plain = (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
                  and not self.weight_on_input)
         self.kernel = "triton" if dev == "cuda" else "native" if dev == "cpu" and plain else "torch"
+        self.choose_layout()
         return self.kernel
+
+    def choose_layout(self) -> bool:
+        """Hold both stacks in the il16 decode layout (the same bytes permuted: 16 output rows per vector, 1.2-1.8x
+        the row-major decode kernels) where every kernel this module then runs reads it: the native CPU kernel, the
+        default activations, bf16 weights, AVX512-BF16 builds, symmetric 4-bit stacks with N % 16 == 0 (see
+        ``moeq_il16_takes``); otherwise row-major. Returns whether il16 is on."""
+        on = (self.decode_layout == "auto" and self.kernel == "native" and self.activations == "default"
+              and il16_takes(self))
+        for slot in ("w13", "w2"):
+            set_il16(self, slot, on)
+        return on
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -118,7 +166,6 @@ class QuantExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // a  # [T*A]
         weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
-        w13, w2 = self.w13, self.w2
         if native:
             # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) in the native
             # grouped GEMM (moe_prefill), or where it declines dequantize + bf16 matmul
@@ -127,16 +174,16 @@ class QuantExperts(nn.Module):
             keep = None if not any(small) or not any(large) else torch.tensor(counts)[flat[order]] <= MOE_MAX_ROWS
             fused = None
             if any(small):
-                fused = moe_forward(w13, w2, hidden_states, *self._pairs(token_of, weight_of, keep, True), small)
+                fused = moe_forward(self, hidden_states, *self._pairs(token_of, weight_of, keep, True), small)
                 if fused is not None and not any(large):
                     return fused
             if fused is not None or not any(small):
                 tl, wl = self._pairs(token_of, weight_of, keep, False)
                 big = moe_prefill(self, hidden_states, tl, wl, large)
                 if big is None:
-                    big = self._forward_loop(hidden_states, tl, wl, large, w13, w2, out)
+                    big = self._forward_loop(hidden_states, tl, wl, large, self.w13, self.w2, out)
                 return big.to(out.dtype) if fused is None else (big + fused).to(out.dtype)
-        return self._forward_loop(hidden_states, token_of, weight_of, counts, w13, w2, out)
+        return self._forward_loop(hidden_states, token_of, weight_of, counts, self.w13, self.w2, out)
 
     @staticmethod
     def _pairs(token_of: torch.Tensor, weight_of: torch.Tensor, keep: torch.Tensor | None, small: bool):

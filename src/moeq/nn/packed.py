@@ -1,11 +1,19 @@
 """Hold a :class:`PackedWeight` inside an ``nn.Module``: its tensors as buffers (so ``.to()``, ``state_dict`` and
-safetensors see them), its metadata as a plain attribute. Buffer names are ``{slot}_{field}``."""
+safetensors see them), its metadata as a plain attribute. Buffer names are ``{slot}_{field}``.
+
+A slot may be held in the il16 decode layout (:func:`set_il16`: 4-bit codes and scales interleaved by 16 rows, the
+native decode kernels' layout, ``moeq/native/csrc/il16_rows.h``) instead of row-major — the same bytes permuted, no
+second copy. Everything outside those kernels sees the row-major layout: :func:`get_packed` (unless ``raw``) and
+``state_dict`` return it, and ``load_state_dict`` takes it (hooks installed by :func:`set_il16`)."""
 from __future__ import annotations
 
-
+import torch
 from torch import nn
 
 from moeq.formats import WEIGHT_TYPES, PackedWeight
+from moeq.formats.packing import from_il16, to_il16
+
+IL16_UNITS = {"qdata": 2, "scale": 1}  # the RTN fields il16 permutes: 2-byte units of codes, one scale per unit
 
 
 def set_packed(module: nn.Module, slot: str, q: PackedWeight) -> None:
@@ -17,15 +25,20 @@ def set_packed(module: nn.Module, slot: str, q: PackedWeight) -> None:
     if old is not None:
         for field in WEIGHT_TYPES[old["format"]].tensor_names():
             module._buffers.pop(f"{slot}_{field}", None)
+    il16_slots(module).discard(slot)
     for field, t in q.tensors().items():
         module.register_buffer(f"{slot}_{field}", t, persistent=True)
     meta[slot] = {"format": q.format, **q.meta()}
 
 
-def get_packed(module: nn.Module, slot: str) -> PackedWeight:
+def get_packed(module: nn.Module, slot: str, raw: bool = False) -> PackedWeight:
+    """The slot's weight, row-major (an il16 slot permuted back into new tensors), or with ``raw`` its buffers as
+    they are (the native kernels' view; :func:`is_il16` says which layout)."""
     meta = dict(module._packed_meta[slot])
     cls = WEIGHT_TYPES[meta.pop("format")]
     tensors = {f: module._buffers.get(f"{slot}_{f}") for f in cls.tensor_names()}
+    if not raw and slot in il16_slots(module):
+        tensors = {f: from_il16(t, IL16_UNITS[f]) if f in IL16_UNITS else t for f, t in tensors.items()}
     return cls.from_parts(tensors, meta)
 
 
@@ -35,5 +48,55 @@ def packed_meta(module: nn.Module) -> dict[str, dict]:
 
 
 def packed_slots(module: nn.Module) -> dict[str, PackedWeight]:
-    """``{slot: PackedWeight}`` of a module holding packed weights (empty for other modules)."""
+    """``{slot: PackedWeight}`` of a module holding packed weights, row-major (empty for other modules)."""
     return {slot: get_packed(module, slot) for slot in getattr(module, "_packed_meta", {})}
+
+
+def il16_slots(module: nn.Module) -> set[str]:
+    slots = module.__dict__.get("_il16_slots")
+    if slots is None:
+        slots = module.__dict__["_il16_slots"] = set()
+    return slots
+
+
+def is_il16(module: nn.Module, slot: str) -> bool:
+    return slot in il16_slots(module)
+
+
+def set_il16(module: nn.Module, slot: str, on: bool) -> None:
+    """Hold the slot (an RTN weight) in the il16 layout (``on``) or row-major: its codes and scales are permuted into
+    new buffers (the old ones are freed once nothing else holds them)."""
+    if on == is_il16(module, slot):
+        return
+    _install_hooks(module)
+    fn = to_il16 if on else from_il16
+    for field, unit in IL16_UNITS.items():
+        key = f"{slot}_{field}"
+        module._buffers[key] = fn(module._buffers[key], unit)
+    (il16_slots(module).add if on else il16_slots(module).discard)(slot)
+
+
+def _install_hooks(module: nn.Module) -> None:
+    if module.__dict__.get("_il16_hooks"):
+        return
+    module._register_state_dict_hook(_state_dict_row_major)
+    module._register_load_state_dict_pre_hook(_load_into_il16, with_module=True)
+    module.__dict__["_il16_hooks"] = True
+
+
+def _state_dict_row_major(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    for slot in il16_slots(module):
+        for field, unit in IL16_UNITS.items():
+            key = prefix + f"{slot}_{field}"
+            if key in state:
+                t = state[key]
+                state[key] = from_il16(t.detach() if isinstance(t, torch.Tensor) else t, unit)
+
+
+def _load_into_il16(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    for slot in il16_slots(module):
+        for field, unit in IL16_UNITS.items():
+            key = prefix + f"{slot}_{field}"
+            if key in state and isinstance(state[key], torch.Tensor) and state[key].shape == module._buffers[
+                    f"{slot}_{field}"].shape:
+                state[key] = to_il16(state[key], unit)

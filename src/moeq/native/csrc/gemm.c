@@ -9,6 +9,7 @@
 // input directly in the same transposed bf16 layout, and the weighted outputs are summed in fp32 (rounded once, by
 // the caller). Experts run in parallel over the threads (each its own scratch and output buffer, summed at the end).
 #include "moeq.h"
+#include "il16_rows.h"
 
 #if defined(__AVX512BF16__)
 static inline int n_threads(void) {
@@ -47,25 +48,22 @@ static int perm4_takes(const moeq_wstack* w) {
     return w->bits == 4 && w->K % 64 == 0 && (w->gs == 32 || w->gs % 64 == 0);
 }
 
-static void dequant_tile4(const moeq_wstack* w, i64 e, i64 n0, uint16_t* dst) {
-    const i64 N = w->N, K = w->K, G = K / w->gs;
-    const uint8_t* q = w->q + e * N * (K / 2);
-    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
-    const uint8_t* zp = w->zero ? w->zero + e * N * G : NULL;
-    const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
+// The TILE_R rows from q (row-major codes, K/2 bytes apart), sc (their G scales each), zp, sup (or NULL).
+static void dequant_tile4(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint8_t* zp,
+                          const uint16_t* sup, uint16_t* dst) {
+    const i64 K = w->K, G = K / w->gs;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 vals = w->values ? _mm512_loadu_ps(w->values) : iota;
     const __m512i lo4 = _mm512_set1_epi16(15);
     const __m512i grp = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);  // words 16-31: table B
     for (i64 r = 0; r < TILE_R; r++) {
-        const i64 n = n0 + r;
-        const uint8_t* qr = q + n * (K / 2);
-        const float su = row_super(sup, n);
+        const uint8_t* qr = q + r * (K / 2);
+        const float su = row_super(sup, r);
         uint16_t* o = dst + r * K;
         for (i64 c = 0; c < K / 64; c++) {
             __m512 t[2];
             for (int h = 0; h < 2; h++) {
-                const i64 g = n * G + (64 * c + 32 * h) / w->gs;
+                const i64 g = r * G + (64 * c + 32 * h) / w->gs;
                 const __m512 s = _mm512_set1_ps(load_scale(sc, w->scale_bf16, g) * su);
                 const __m512 v = w->values ? vals : _mm512_sub_ps(iota, _mm512_set1_ps(zp ? (float)zp[g] : 8.f));
                 t[h] = _mm512_mul_ps(v, s);
@@ -80,20 +78,38 @@ static void dequant_tile4(const moeq_wstack* w, i64 e, i64 n0, uint16_t* dst) {
     }
 }
 
-static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_t* dst) {
-    if (perm4) {
-        dequant_tile4(w, e, n0, dst);
-        return;
+// Block b of an il16 stack's expert e back in row-major order: codes (16 rows of K/2 bytes) into q, scales (16 rows
+// of G) into sc.
+static void il16_unpack(const moeq_wstack* w, i64 e, i64 b, uint8_t* q, uint8_t* sc) {
+    const i64 K = w->K, U = K / 4, G = K / w->gs, ss = scale_size(w->scale_bf16);
+    const uint16_t* src = (const uint16_t*)il16_codes(w, e, b);
+    uint16_t* dst = (uint16_t*)q;
+    for (i64 c = 0; c < U; c++)
+        for (i64 r = 0; r < 16; r++) dst[r * U + c] = src[c * 16 + r];
+    const uint8_t* sb = (const uint8_t*)il16_scale_at(w, e, b);
+    for (i64 g = 0; g < G; g++)
+        for (i64 r = 0; r < 16; r++) memcpy(sc + (r * G + g) * ss, sb + (g * 16 + r) * ss, (size_t)ss);
+}
+
+// The dequantized tile of expert e's rows n0..n0+TILE_R (bf16 [TILE_R][K], in perm4's K order when perm4). stage:
+// room for one block's codes and scales in row-major order (il16 stacks are unpacked into it first).
+static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_t* dst, uint8_t* stage) {
+    const i64 N = w->N, K = w->K, G = K / w->gs, rowb = packed_row_bytes(w->bits, K), ss = scale_size(w->scale_bf16);
+    const uint8_t* q = w->q + (e * N + n0) * rowb;
+    const void* sc = (const char*)w->scale + (e * N + n0) * G * ss;
+    const uint8_t* zp = w->zero ? w->zero + (e * N + n0) * G : NULL;
+    const uint16_t* sup = w->scale_super ? w->scale_super + e * N + n0 : NULL;
+    if (w->il16) {  // TILE_R == 16: one block
+        il16_unpack(w, e, n0 / 16, stage, stage + TILE_R * rowb);
+        q = stage;
+        sc = stage + TILE_R * rowb;
     }
-    const i64 N = w->N, K = w->K, G = K / w->gs;
-    const uint8_t* q = w->q + e * N * packed_row_bytes(w->bits, K);
-    const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
-    if (w->values)
-        cb4_dequant_rows(q, sc, w->scale_bf16, w->scale_super ? w->scale_super + e * N : NULL, w->values, w->bits, n0,
-                         n0 + TILE_R, K, w->gs, dst, 1);
+    if (perm4)
+        dequant_tile4(w, q, sc, zp, sup, dst);
+    else if (w->values)
+        cb4_dequant_rows(q, sc, w->scale_bf16, sup, w->values, w->bits, 0, TILE_R, K, w->gs, dst, 1);
     else
-        rtn_dequant_rows(q, sc, w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, w->bits, n0, n0 + TILE_R, K,
-                         w->gs, dst, 1);
+        rtn_dequant_rows(q, sc, w->scale_bf16, zp, w->bits, 0, TILE_R, K, w->gs, dst, 1);
 }
 
 // y[r * ldy + p] = sum_k w[r][k] x_p[k] for R weight rows (bf16 [R][K]) and the 16*TB tokens from p0 (xt: bf16 pairs
@@ -122,12 +138,13 @@ static inline __attribute__((always_inline)) void tile_dot(const uint16_t* w, i6
 
 // y [N][Pp] = W[e] (N x K) @ the Pp (<= CHUNK) tokens of xt, a tile of TILE_R dequantized rows (wt: TILE_R * K halves)
 // at a time; N % TILE_R == 0. Token blocks of 48 or 32 (16 only when that is all there is).
-static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y, uint16_t* wt) {
+static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y, uint16_t* wt,
+                        uint8_t* stage) {
     const i64 N = w->N, K = w->K;
     const i64 rowb = packed_row_bytes(w->bits, K), tileb = TILE_R * rowb;
     const char* codes = (const char*)w->q + e * N * rowb;
     for (i64 n0 = 0; n0 < N; n0 += TILE_R) {
-        dequant_tile(w, perm4, e, n0, wt);
+        dequant_tile(w, perm4, e, n0, wt, stage);
         if (n0 + TILE_R < N)  // the next tile's codes on their way while this one's products run
             for (i64 b = 0; b < tileb; b += 64) _mm_prefetch(codes + (n0 + TILE_R) * rowb + b, _MM_HINT_T1);
         float* yt = y + n0 * Pp;
@@ -147,22 +164,6 @@ static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* 
             }
         }
     }
-}
-
-static inline __m512 exp512(__m512 x) {  // e^x, ~1 ulp over the clamped range (Cephes' polynomial)
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 // at[kp][p] = bf16 pair kp (in the K order of perm4, see pair_elem) of a = silu(gate) * up, gate/up the rows i and
@@ -193,6 +194,7 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
     uint32_t* at = (uint32_t*)(h + 2 * I * Pp);    // (I/2) * Pp
     float* y = (float*)(at + (I / 2) * Pp);        // H * Pp
     uint16_t* wt = (uint16_t*)(y + H * Pp);         // TILE_R * max(H, I) halves
+    uint8_t* stage = (uint8_t*)(wt + TILE_R * (H > I ? H : I));  // an il16 block unpacked: 16 * max(H, I) bytes
     const int p13 = perm4_takes(w13), p2 = perm4_takes(w2);
     for (i64 p = 0; p < P; p++) {
         const uint16_t* row = x + tok[p] * H;
@@ -201,9 +203,9 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
     }
     for (i64 p = P; p < Pp; p++)
         for (i64 kp = 0; kp < H / 2; kp++) xt[kp * Pp + p] = 0;
-    expert_gemm(w13, p13, e, xt, Pp, h, wt);
+    expert_gemm(w13, p13, e, xt, Pp, h, wt, stage);
     silu_glu_pairs(h, I, Pp, p2, at);
-    expert_gemm(w2, p2, e, at, Pp, y, wt);
+    expert_gemm(w2, p2, e, at, Pp, y, wt, stage);
     for (i64 p = 0; p < P; p++) {
         float* o = out + tok[p] * H;
         const float wgt = wts[p];
@@ -245,7 +247,7 @@ int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16
         order[b] = v;
     }
     const i64 Pp = ((pmax < CHUNK ? pmax : CHUNK) + 15) & ~(i64)15, KM = H > I ? H : I;
-    const i64 per = (H / 2 + 2 * I + I / 2 + H) * Pp + TILE_R * KM / 2 + 16;  // floats per thread
+    const i64 per = (H / 2 + 2 * I + I / 2 + H) * Pp + TILE_R * KM / 2 + 4 * KM + 16;  // floats per thread
     const int nt = n_threads();
     float* scratch = (float*)malloc((size_t)(nt * per) * sizeof(float));
     float* extra = nt > 1 ? (float*)calloc((size_t)((nt - 1) * T * H), sizeof(float)) : NULL;

@@ -563,7 +563,6 @@ int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y) {
 #endif
 }
 
-static inline float silu_f(float v) { return v / (1.f + expf(-v)); }
 
 #if defined(MOEQ_I8)
 // Row n of expert e of a 4-bit stack [E, N, K] against m activation rows.
@@ -642,7 +641,7 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
                     const i64 m = expert_start[act[a] + 1] - expert_start[act[a]];
                     for (i64 r = 0; r < m; r++) {
                         float* hr = h + (a * 8 + r) * I2;
-                        for (i64 i = 0; i < I; i++) hr[i] = silu_f(hr[i]) * hr[I + i];
+                        silu_glu_row(hr, hr + I, I, hr);
                         if (!i8_quantize_row(hr, I, i8_offset(cb2), aq + (a * 8 + r) * C2)) {
 #pragma omp atomic write
                             ok2 = 0;

@@ -3,6 +3,7 @@
 #include "moeq.h"
 #include "rtn4_rows.h"
 #include "rows_avx2.h"
+#include "il16_rows.h"
 
 // ---------------------------------------------------------------- fused MoE (decode) -----------------------------
 // One call per MoE layer for the token-expert pairs of a decode step: for each expert with rows, y = w2 @
@@ -18,9 +19,59 @@ static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* 
                                w->gs, y);
 }
 
+// Whether w (an expert stack or one weight) can take the il16 decode layout (il16_rows.h) on this build: symmetric
+// 4-bit RTN read through a 16-value table (lut: the signed grid or a codebook), N % 16 == 0, K % 64 == 0, groups of
+// a multiple of 16 dividing K, fp32/bf16 scales or int8 codes with row factors.
+int moeq_il16_takes(const moeq_wstack* w) {
+#if defined(MOEQ_IL16)
+    return w->fmt == MOEQ_FMT_RTN && w->bits == 4 && !w->zero && w->lut && w->dot_bf16 && w->N > 0 && w->N % 16 == 0 &&
+           w->K > 0 && w->K % 64 == 0 && w->gs > 0 && w->gs % 16 == 0 && w->K % w->gs == 0 &&
+           (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 == 0 || w->scale_bf16 == 1);
+#else
+    (void)w;
+    return 0;
+#endif
+}
+
+#if defined(MOEQ_IL16)
+// y[m, N] = x[m, K] @ W[e]^T for an il16 stack: x as bf16 pairs in scratch (m*K/2 floats), blocks over the threads.
+static void il16_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, NB = N / 16;
+    uint16_t* xb = (uint16_t*)scratch;
+    for (i64 r = 0; r < m; r++) x_to_il16(x + r * K, K, xb + r * K);
+    const __m512i lut = _mm512_loadu_si512(w->lut);
+#pragma omp parallel for schedule(static)
+    for (i64 b0 = 0; b0 < NB; b0++)
+        for (i64 m0 = 0; m0 < m; m0 += 8)
+            il16_block_m(il16_codes(w, e, b0), il16_scale_at(w, e, b0), w->scale_bf16, il16_sup(w, e, b0), lut,
+                         (const uint32_t*)(xb + m0 * K), m - m0 < 8 ? m - m0 : 8, K, w->gs, y + m0 * N + 16 * b0, N);
+}
+
+// Inside a parallel region: y[a, 8, N] rows 0..rows(a)-1 = W[act[a]] x[a] for every active expert a (x at [a, 8, K]
+// in x_to_il16's order; rows NULL: one each), the 16-row blocks of all experts shared out over the threads.
+static inline void il16_pass(const moeq_wstack* w, const i64* act, const i64* start, i64 A, const uint16_t* xb, i64 K,
+                             i64 N, float* y) {
+    const __m512i lut = _mm512_loadu_si512(w->lut);
+    const i64 NB = N / 16;
+#pragma omp for schedule(static)
+    for (i64 t = 0; t < A * NB; t++) {
+        const i64 a = t / NB, b = t % NB, e = act[a];
+        il16_block_m(il16_codes(w, e, b), il16_scale_at(w, e, b), w->scale_bf16, il16_sup(w, e, b), lut,
+                     (const uint32_t*)(xb + a * 8 * K), start ? start[e + 1] - start[e] : 1, K, w->gs,
+                     y + a * 8 * N + 16 * b, N);
+    }
+}
+#endif
+
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
+#if defined(MOEQ_IL16)
+    if (w->il16) {  // its codes are not row-major: no other kernel may read them
+        il16_gemv(w, e, x, m, y, scratch);
+        return;
+    }
+#endif
     if (w->rows16 && e == 0 && moeq_rows16_gemv(w, x, m, y)) return;      // a decode copy by 16 output rows (head)
     if (w->act_i8 && moeq_i8_gemv(w, e, x, m, y)) return;                  // the int8-activation option
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
@@ -125,8 +176,6 @@ void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, cons
     }
 }
 
-static inline float silu(float v) { return v / (1.f + expf(-v)); }
-
 void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                       const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out,
                       float* scratch) {
@@ -142,7 +191,7 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
             for (i64 r = 0; r < m; r++) memcpy(xr + r * H, x + pair_tok[p0 + r] * H, (size_t)H * sizeof(float));
             expert_gemv(w13, e, xr, m, h, gs);
             for (i64 r = 0; r < m; r++)
-                for (i64 i = 0; i < I; i++) a[r * I + i] = silu(h[r * 2 * I + i]) * h[r * 2 * I + I + i];
+                silu_glu_row(h + r * 2 * I, h + r * 2 * I + I, I, a + r * I);
             expert_gemv(w2, e, a, m, y, gs);
             for (i64 r = 0; r < m; r++) {
                 const float wgt = pair_w[p0 + r];
@@ -154,10 +203,20 @@ void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float
 }
 
 #if defined(__AVX512BF16__)
+// One activation row as w's bf16 kernels read it: il16's pairs, or x_to_bf16's 64-chunk order with group sums.
+static inline void x_rows(const moeq_wstack* w, const float* x, uint16_t* dst, float* sums) {
+    if (w->il16) x_to_il16(x, w->K, dst);
+    else x_to_bf16(x, w->K, w->gs, 1, dst, sums);
+}
+
 // Inside a parallel region: y[a, 8, N] row 0 = W[act[a]] x[a] for every active expert a (one x row each, K in
 // groups of 64, x in x_to_bf16's layout at [a, 8, K]), the rows of all experts shared out over the threads.
 static inline void one_row_pass(const moeq_wstack* w, const i64* act, i64 A, const uint16_t* xb, const float* xs, i64 K,
                                 i64 N, float* y) {
+    if (w->il16) {
+        il16_pass(w, act, NULL, A, xb, K, N, y);
+        return;
+    }
     const i64 G = K / w->gs, sb = scale_size(w->scale_bf16);
 #pragma omp for schedule(static)
     for (i64 t = 0; t < A * N; t++) {
@@ -191,14 +250,14 @@ static void moe_rtn4_one_row(const moeq_wstack* w13, const moeq_wstack* w2, cons
     {
 #pragma omp for schedule(static)
         for (i64 a = 0; a < A; a++)
-            x_to_bf16(x + pair_tok[expert_start[act[a]]] * H, H, w13->gs, 1, xb + a * 8 * H, xs + a * 8 * G1);
+            x_rows(w13, x + pair_tok[expert_start[act[a]]] * H, xb + a * 8 * H, xs + a * 8 * G1);
         one_row_pass(w13, act, A, xb, xs, H, I2, h);
 #pragma omp for schedule(static)
         for (i64 a = 0; a < A; a++) {
             const float* hr = h + a * 8 * I2;
             float* t = y + a * 8 * H;  // free until the w2 loop: the fp32 activation row
-            for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
-            x_to_bf16(t, I, w2->gs, 1, ab + a * 8 * I, as + a * 8 * G2);
+            silu_glu_row(hr, hr + I, I, t);
+            x_rows(w2, t, ab + a * 8 * I, as + a * 8 * G2);
         }
         one_row_pass(w2, act, A, ab, as, I, H, y);
 #pragma omp for schedule(static)
@@ -242,7 +301,8 @@ static inline void avx2_rows(const moeq_wstack* w, const int16_t* xq, const floa
 void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                                 const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E,
                                 float* out, float* scratch) {
-    if (w13->act_i8 && w2->act_i8 && moeq_moe_forward_i8(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out))
+    if (w13->act_i8 && w2->act_i8 && !w13->il16 && !w2->il16 &&
+        moeq_moe_forward_i8(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out))
         return;
     i64 A = 0;
     for (i64 e = 0; e < E; e++) A += expert_start[e + 1] > expert_start[e];
@@ -286,9 +346,16 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
 #if defined(MOEQ_AVX2)
             x_to_i16_32(x + pair_tok[p0 + r] * H, H, 1, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
 #else
-            x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+            if (w13->il16) x_to_il16(x + pair_tok[p0 + r] * H, H, xb + (a * 8 + r) * H);
+            else x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
 #endif
     }
+#if defined(MOEQ_IL16)
+    if (w13->il16) {
+#pragma omp parallel
+        il16_pass(w13, act, expert_start, A, xb, H, I2, h);
+    } else
+#endif
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * I2; t++) {
         const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
@@ -313,14 +380,21 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             const float* hr = h + (a * 8 + r) * I2;
             uint16_t* dst = ab + (a * 8 + r) * I;
             float* t = y;  // y is free until the w2 pass: the fp32 activation row
-            for (i64 i = 0; i < I; i++) t[i] = silu(hr[i]) * hr[I + i];
+            silu_glu_row(hr, hr + I, I, t);
 #if defined(MOEQ_AVX2)
             x_to_i16_32(t, I, 1, (int16_t*)dst, as + (a * 8 + r) * C2);
 #else
-            x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
+            if (w2->il16) x_to_il16(t, I, dst);
+            else x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
 #endif
         }
     }
+#if defined(MOEQ_IL16)
+    if (w2->il16) {
+#pragma omp parallel
+        il16_pass(w2, act, expert_start, A, ab, I, H, y);
+    } else
+#endif
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * H; t++) {
         const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
@@ -378,7 +452,8 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (w13->act_i8 && w2->act_i8 && moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
+        if (w13->act_i8 && w2->act_i8 && !w13->il16 && !w2->il16 &&
+            moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
             ;  // the int8-activation option
         else if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN &&
             (w13->bits == 4 || w13->lut) && (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)

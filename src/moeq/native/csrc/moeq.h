@@ -46,6 +46,39 @@ static inline __m256i f32_to_bf16x16(__m512 v) {  // round to nearest even (fini
 }
 #endif
 
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x) {  // e^x, ~1 ulp over the clamped range (Cephes' polynomial)
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// t[i] = silu(gate[i]) * up[i] (SwiGLU), fp32; AVX512 builds 16 at a time through exp512 (within ~2 ulp of the
+// scalar expf form the rest takes).
+static inline void silu_glu_row(const float* gate, const float* up, i64 n, float* t) {
+    i64 i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(t + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) t[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+}
+
 // Group scales come in three kinds (the int passed as `scale_bf16` throughout): 0 fp32, 1 bf16, 2 int8 codes of a
 // double-quantized scale (codebook grids only) whose row factor `sup` (bf16 per output row) the caller applies to
 // the row's result: scale = code * sup[n].
@@ -184,6 +217,7 @@ typedef struct {
     int act_i8;                  // decode with int8 activations where i8.c takes the weight (the explicit option)
     const uint8_t* rows16;       // one 8-bit weight interleaved by 16 output rows for decode (rows16.c) or NULL
     int rows16_layout;           // ... its layout: 1 int16 activations (default numerics), 2 int8 (act_i8)
+    int il16;                    // 4-bit expert stacks: q/scale in the decode layout il16 (il16_rows.h), not row-major
 } moeq_wstack;
 
 // ---- exports (quants.c) ----
@@ -247,6 +281,8 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
 i64 moeq_rows16_size(const moeq_wstack* w);
 int moeq_rows16_pack(const moeq_wstack* w, int layout, uint8_t* out);
 int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y);
+// moe.c: the il16 decode layout (il16_rows.h)
+int moeq_il16_takes(const moeq_wstack* w);
 // ---- exports (moe.c) ----
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
                             float* scratch);

@@ -270,8 +270,57 @@ static inline __attribute__((always_inline)) void cb4_row_bf16(
 #endif
 
 // bf16 activations as the 4-bit kernels read them (per 64-chunk (even, odd) elements when perm64, else in order)
-// and their per-group sums (by original index, in either layout), taken from the rounded values.
+// and their per-group sums (by original index, in either layout), taken from the rounded values. AVX512 builds
+// convert 64 elements per step (f2bf's rounding, NaN kept quiet; a group's sum in another order than the scalar
+// loop's, the same within fp32 rounding): a decode step's MoE layer converts its token once per routed expert.
 static inline void x_to_bf16(const float* x, i64 K, i64 gs, int perm64, uint16_t* dst, float* sums) {
+#if defined(__AVX512BW__)
+    if (K % 64 == 0 && (gs % 64 == 0 || gs == 32 || gs == 16)) {
+        static const uint16_t even[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                          32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+        const __m512i ie = _mm512_loadu_si512(even);
+        const __m512i io = _mm512_add_epi16(ie, _mm512_set1_epi16(1));
+        __m512 run = _mm512_setzero_ps();  // a group of 64k's sum so far
+        for (i64 c = 0; c < K / 64; c++) {
+            __m512i h[4];
+            __m512 r[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512 f = _mm512_loadu_ps(x + 64 * c + 16 * j);
+                const __m512i u = _mm512_castps_si512(f);
+                const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+                __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                    _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+                b = _mm512_mask_or_epi32(b, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+                h[j] = b;
+                r[j] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+            }
+            const __m512i v0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(h[0])),
+                                                  _mm512_cvtepi32_epi16(h[1]), 1);
+            const __m512i v1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(h[2])),
+                                                  _mm512_cvtepi32_epi16(h[3]), 1);
+            if (perm64) {
+                _mm512_storeu_si512(dst + 64 * c, _mm512_permutex2var_epi16(v0, ie, v1));
+                _mm512_storeu_si512(dst + 64 * c + 32, _mm512_permutex2var_epi16(v0, io, v1));
+            } else {
+                _mm512_storeu_si512(dst + 64 * c, v0);
+                _mm512_storeu_si512(dst + 64 * c + 32, v1);
+            }
+            if (gs == 16) {
+                for (int j = 0; j < 4; j++) sums[4 * c + j] = _mm512_reduce_add_ps(r[j]);
+            } else if (gs == 32) {
+                sums[2 * c] = _mm512_reduce_add_ps(_mm512_add_ps(r[0], r[1]));
+                sums[2 * c + 1] = _mm512_reduce_add_ps(_mm512_add_ps(r[2], r[3]));
+            } else {
+                run = _mm512_add_ps(run, _mm512_add_ps(_mm512_add_ps(r[0], r[1]), _mm512_add_ps(r[2], r[3])));
+                if ((64 * (c + 1)) % gs == 0) {
+                    sums[64 * c / gs] = _mm512_reduce_add_ps(run);
+                    run = _mm512_setzero_ps();
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (i64 g = 0; g < K / gs; g++) {
         float sum = 0.f;
         for (i64 k = g * gs; k < (g + 1) * gs; k++) {
