@@ -1,0 +1,152 @@
+"""The il16 decode layout of 4-bit expert stacks (moeq/native/csrc/il16_rows.h, moeq.nn.packed.set_il16): the layout
+functions, the native kernels reading it against a float64 reference and against the row-major kernels, and that
+everything outside those kernels (state_dict, get_packed, load_state_dict, int8 activations, other dtypes) sees the
+row-major layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeq
+from moeq import native
+from moeq.formats import rtn
+from moeq.formats.packing import from_il16, to_il16
+from moeq.nn import QuantExperts
+from moeq.nn.experts import Activation
+
+pytestmark = pytest.mark.skipif(not native.has_dpbf16(), reason="the il16 kernels need AVX512-BF16")
+
+E, H, I = 6, 128, 64  # w13 [6, 128, 128], w2 [6, 128, 64]
+FORMATS = {
+    "q4_0": dict(bits=4, group_size=32, grid="signed"),
+    "rtn-int4-g128": dict(bits=4, group_size=128, grid="vllm"),
+    "iq4nl-g16": dict(bits=4, group_size=16, grid="iq4nl"),
+    "iq4nl-dq": dict(bits=4, group_size=32, grid="iq4nl", double_quant=True),
+}
+
+
+def _experts(fmt: str, seed: int = 0) -> QuantExperts:
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(FORMATS[fmt])
+    gs = min(kw["group_size"], I)
+    kw["group_size"] = gs
+    w13 = rtn.quantize((torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16(), **kw)
+    w2 = rtn.quantize((torch.randn(E, H, I, generator=g) * 0.05).bfloat16(), **kw)
+    return QuantExperts(w13, w2, Activation())
+
+
+def _reference(m: QuantExperts, x, idx, wts) -> torch.Tensor:
+    """float64 over the row-major weights dequantized (bf16-rounded, as the kernels read them)."""
+    w13, w2 = m.w13.dequantize(torch.bfloat16).double(), m.w2.dequantize(torch.bfloat16).double()
+    xd = x.double()
+    out = torch.zeros_like(xd)
+    for t in range(x.shape[0]):
+        for a in range(idx.shape[1]):
+            e = int(idx[t, a])
+            h = w13[e] @ xd[t]
+            act = torch.nn.functional.silu(h[:I]) * h[I:]
+            out[t] += float(wts[t, a]) * (w2[e] @ act.bfloat16().double())
+    return out
+
+
+def _route(t: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(t)])
+    return x, idx, torch.rand(t, 2, generator=g).bfloat16()
+
+
+def test_layout_functions_invert_and_place_units_as_documented():
+    codes = torch.randint(0, 256, (3, 32, 40), dtype=torch.uint8)
+    scales = torch.randn(3, 32, 5)
+    il = to_il16(codes, 2)
+    assert il.shape == codes.shape and torch.equal(from_il16(il, 2), codes)
+    assert torch.equal(from_il16(to_il16(scales, 1), 1), scales)
+    flat = il.reshape(3, 2, 20, 16, 2)  # [E][N/16][K/4][16][2]
+    for e, b, c, r in ((0, 0, 0, 0), (1, 1, 7, 13), (2, 1, 19, 15)):
+        assert torch.equal(flat[e, b, c, r], codes[e, 16 * b + r, 2 * c:2 * c + 2])
+    s = to_il16(scales, 1).reshape(3, 2, 5, 16)
+    assert s[2, 1, 3, 9] == scales[2, 25, 3]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_il16_kernels_match_float64_and_the_row_major_kernels(fmt, tokens):
+    """Decode (one row per expert, several rows per expert) and prefill (the grouped GEMM unpacking il16 blocks)."""
+    m = _experts(fmt)
+    assert m.il16("w13") and m.il16("w2")
+    x, idx, wts = _route(tokens, tokens)
+    got = m(x, idx, wts).double()
+    ref = _reference(m, x, idx, wts)
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 0.02 * scale  # bf16 output and intermediate rounding
+    m.decode_layout = "rows"
+    assert not m.il16("w13")
+    rows = m(x, idx, wts).double()
+    assert (got - rows).abs().max() <= 8e-3 * scale  # the same weights, fp32 sums in another order
+    if tokens == 40 and FORMATS[fmt]["grid"] != "vllm":  # many rows: the same dequantized tiles and products
+        assert (got - rows).abs().max() <= 4e-3 * scale
+
+
+def test_outside_the_kernels_the_weights_are_row_major(tmp_path):
+    m = _experts("iq4nl-dq")
+    rows = _experts("iq4nl-dq")
+    rows.decode_layout = "rows"
+    assert m.il16("w13") and not rows.il16("w13")
+    raw = m.packed("w13", raw=True)
+    assert not torch.equal(raw.qdata, rows.w13.qdata)  # held permuted ...
+    assert torch.equal(m.w13.qdata, rows.w13.qdata) and torch.equal(m.w13.scale, rows.w13.scale)  # ... seen in order
+    sd, sd_rows = m.state_dict(), rows.state_dict()
+    assert sd.keys() == sd_rows.keys() and all(torch.equal(sd[k], sd_rows[k]) for k in sd)
+    # loading a row-major state dict into an il16 module keeps it il16 and computes the same
+    other = _experts("iq4nl-dq", seed=1)
+    assert other.il16("w13")
+    other.load_state_dict(sd_rows)
+    assert other.il16("w13") and torch.equal(other.packed("w13", raw=True).qdata, raw.qdata)
+    x, idx, wts = _route(2, 5)
+    assert torch.equal(other(x, idx, wts), m(x, idx, wts))
+
+
+def test_int8_activations_and_other_dtypes_take_row_major():
+    m = _experts("q4_0")
+    x, idx, wts = _route(1, 7)
+    base = m(x, idx, wts)
+    m.activations = "int8"
+    assert not m.il16("w13")
+    m.activations = "default"
+    assert m.il16("w13") and torch.equal(m(x, idx, wts), base)
+    m.float()  # fp32 activations: no il16 kernels for them; the module computes from the row-major weights
+    y = m(x.float(), idx, wts.float())
+    ref = _reference(m, x, idx, wts)
+    assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_nan_activations_give_nan_rows():
+    m = _experts("q4_0")
+    x, idx, wts = _route(3, 9)
+    x[1, 5] = float("nan")
+    y = m(x, idx, wts)
+    assert y[1].isnan().all() and not y[0].isnan().any() and not y[2].isnan().any()
+
+
+def test_stacks_outside_the_domain_stay_row_major():
+    g = torch.Generator().manual_seed(0)
+    w13 = rtn.quantize((torch.randn(4, 192, 128, generator=g) * 0.05).bfloat16(), bits=4, group_size=32, grid="signed")
+    w2 = rtn.quantize((torch.randn(4, 128, 96, generator=g) * 0.05).bfloat16(), bits=4, group_size=32, grid="signed")
+    assert not QuantExperts(w13, w2, Activation()).il16("w13")  # K = 96: not a multiple of 64
+    w2a = rtn.quantize((torch.randn(4, 128, 64, generator=g) * 0.05).bfloat16(), bits=4, group_size=32, symmetric=False)
+    w13a = rtn.quantize((torch.randn(4, 128, 128, generator=g) * 0.05).bfloat16(), bits=4, group_size=32,
+                        symmetric=False)
+    assert not QuantExperts(w13a, w2a, Activation()).il16("w13")  # zero points
+
+
+def test_a_loaded_model_decodes_the_same_tokens_in_both_layouts(tiny_ckpt):
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="q4_0", progress=False)
+    experts = [x for x in m.modules() if isinstance(x, QuantExperts)]
+    assert experts and all(x.il16("w13") for x in experts)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=10)
+    fast = m.generate(ids, **kw)
+    for x in experts:
+        x.decode_layout = "rows"
+    assert torch.equal(fast, m.generate(ids, **kw))
