@@ -58,6 +58,7 @@ static inline __attribute__((always_inline)) void il16_block(const uint8_t* cb, 
         for (i64 m = 0; m < M; m++)
             for (int j = 0; j < ch; j++) a[m][j] = _mm512_setzero_ps();
         for (i64 c = g * upg; c < (g + 1) * upg; c += 2) {
+            _mm_prefetch((const char*)(cb + 32 * c + 4096), _MM_HINT_T0);
             const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(cb + 32 * c)));
             const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(cb + 32 * c + 32)));
             const __m512bh l0 = (__m512bh)_mm512_permutexvar_epi16(w0, lut);
