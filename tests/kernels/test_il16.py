@@ -150,3 +150,28 @@ def test_a_loaded_model_decodes_the_same_tokens_in_both_layouts(tiny_ckpt):
     for x in experts:
         x.decode_layout = "rows"
     assert torch.equal(fast, m.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "rtn-int4-g128", "iq4nl-dq"])
+def test_a_quantized_linear_in_il16(fmt):
+    """Decode rows (the one-call linear) and a prompt (dequantized natively from il16, then one matmul) against the
+    row-major module; its state_dict stays row-major."""
+    from moeq.nn import QuantLinear  # noqa: PLC0415
+
+    kw = dict(FORMATS[fmt])
+    g = torch.Generator().manual_seed(4)
+    w = rtn.quantize((torch.randn(96, 256, generator=g) * 0.05).bfloat16(), **kw)
+    bias = (torch.randn(96, generator=g) * 0.1).bfloat16()
+    m, rows = QuantLinear(w, bias), QuantLinear(w, bias)
+    rows.decode_layout = "rows"
+    assert m.il16("weight") and not rows.il16("weight")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), rows.state_dict().values()))
+    ref_w = w.dequantize(torch.bfloat16).double()
+    for t in (1, 3, 40):
+        x = torch.randn(t, 256, generator=g).bfloat16()
+        y, y_rows = m(x).double(), rows(x).double()
+        ref = x.double() @ ref_w.t() + bias.double()
+        assert (y - ref).abs().max() <= 0.01 * ref.abs().max()
+        assert (y - y_rows).abs().max() <= 4e-3 * ref.abs().max()
+        if t == 40:  # the same dequantized weight and matmul
+            assert torch.equal(y, y_rows)

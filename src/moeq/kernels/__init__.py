@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from moeq.formats import PackedWeight
 from moeq.kernels import cpu_ops  # noqa: F401  (registers the native CPU kernels)
+from moeq.kernels.cpu_ops import matmul_dtype  # noqa: F401
 from moeq.kernels.registry import kernels_for, register  # noqa: F401
 
 
@@ -18,15 +19,6 @@ from moeq.kernels.registry import kernels_for, register  # noqa: F401
 # lm_head slower than the bf16 one. Smaller weights (experts, attention) run whole: their matmuls are slower split.
 CHUNKED_ABOVE = 1 << 24
 DEQUANT_CHUNK = 1 << 21
-
-
-def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the many-row matmuls of a ``dtype`` model run in: fp32 for bf16 on CPUs without native bf16 GEMM
-    (:func:`moeq.native.fast_bf16_matmul`), else ``dtype``."""
-    from moeq import native  # noqa: PLC0415
-
-    slow = dtype == torch.bfloat16 and device.type == "cpu" and not native.fast_bf16_matmul()
-    return torch.float32 if slow else dtype
 
 
 def reference(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,

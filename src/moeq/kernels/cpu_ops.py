@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 
 from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq.formats.rtn import CODEBOOKS
@@ -132,8 +133,8 @@ def _linear_plan(module) -> tuple | None:
     slot = native.plan_slot(module, "_linear_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
-    w, keep = module.qweight, []
-    stack = describe(w, keep, dot_bf16=True, act_i8=act) if len(w.shape) == 2 else None
+    w, keep, il16 = module.packed("weight", raw=True), [], module.il16("weight")
+    stack = describe(w, keep, dot_bf16=True, act_i8=act, il16=il16) if len(w.shape) == 2 else None
     plan = None
     if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and native.usable(bias))):
         n, k = w.shape
@@ -160,6 +161,34 @@ def _attach_rows16(stack, keep: list) -> None:
     if L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
         stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
         keep.append(buf)
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the many-row matmuls of a ``dtype`` model run in: fp32 for bf16 on CPUs without native bf16 GEMM
+    (:func:`moeq.native.fast_bf16_matmul`), else ``dtype``."""
+    slow = dtype == torch.bfloat16 and device.type == "cpu" and not native.fast_bf16_matmul()
+    return torch.float32 if slow else dtype
+
+
+def il16_linear(module, x: torch.Tensor) -> torch.Tensor | None:
+    """A :class:`~moeq.nn.QuantLinear` held in the il16 decode layout at more rows than its decode kernels take (a
+    prompt): the weight dequantized natively from il16 (the row-major dequantizers' values), then one matmul as
+    :func:`moeq.kernels.reference` computes it. None for non-bf16 activations (the caller takes the row-major
+    weight)."""
+    plan = _linear_plan(module)
+    if plan is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    stack, _, n, k = plan[:4]
+    wd = torch.empty(n, k, dtype=torch.bfloat16)
+    rc = native.lib().moeq_il16_dequant(ctypes.byref(stack), native.i64(0), native.ptr(wd))
+    if rc == -1:
+        raise MemoryError("moeq_il16_dequant: could not allocate its scratch")
+    if rc != 1:
+        return None
+    bias, cd = module.bias, matmul_dtype(x.dtype, x.device)
+    if cd != x.dtype:
+        return F.linear(x.to(cd), wd.to(cd), None if bias is None else bias.to(cd)).to(x.dtype)
+    return F.linear(x, wd, bias)
 
 
 def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:

@@ -44,14 +44,14 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
     return stack
 
 
-def il16_takes(module) -> bool:
-    """Whether both stacks of a :class:`~moeq.nn.QuantExperts` can be held in the il16 decode layout: bf16 RTN
-    stacks on CPU inside ``moeq_il16_takes``' domain (AVX512-BF16 builds)."""
+def il16_takes(module, slots: tuple[str, ...]) -> bool:
+    """Whether a quantized module's weights (``slots``: QuantExperts' two stacks, QuantLinear's weight) can be held in
+    the il16 decode layout: bf16 RTN weights on CPU inside ``moeq_il16_takes``' domain (AVX512-BF16 builds)."""
     L = native.lib()
     if L is None or not native.has_dpbf16():
         return False
     keep: list = []
-    for slot in ("w13", "w2"):
+    for slot in slots:
         w = module.packed(slot, raw=True)
         if not isinstance(w, RTNWeight) or w.dtype != torch.bfloat16 or w.qdata.device.type != "cpu":
             return False

@@ -19,7 +19,7 @@ from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear, matmul_dtype
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
 from moeq.kernels.moe_cpu import il16_takes, moe_forward, moe_prefill, moe_routed
-from moeq.nn.packed import get_packed, is_il16, set_il16, set_packed
+from moeq.nn.packed import DecodeLayout, get_packed, set_packed
 
 # Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
 # (~100 MB per 1000 tokens at Qwen3-30B-A3B's shapes); each further pass re-dequantizes the active experts once.
@@ -52,7 +52,9 @@ class Activation:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-class QuantExperts(nn.Module):
+class QuantExperts(DecodeLayout, nn.Module):
+    IL16_SLOTS = ("w13", "w2")
+
     def __init__(self, w13: PackedWeight, w2: PackedWeight, activation: Activation,
                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weight_on_input: bool = False):
         super().__init__()
@@ -64,8 +66,7 @@ class QuantExperts(nn.Module):
         set_packed(self, "w2", w2)
         self.b13 = None if b13 is None else nn.Parameter(b13, requires_grad=False)  # [E, 2I]
         self.b2 = None if b2 is None else nn.Parameter(b2, requires_grad=False)  # [E, H]
-        self.__dict__["_activations"] = "default"
-        self.__dict__["_decode_layout"] = "auto"
+        self._init_layout()
         self.choose_kernel()
 
     @property
@@ -76,38 +77,6 @@ class QuantExperts(nn.Module):
     @property
     def w2(self) -> PackedWeight:
         return get_packed(self, "w2")
-
-    def packed(self, slot: str, raw: bool = False) -> PackedWeight:
-        """A stack as :attr:`w13` / :attr:`w2` give it, or with ``raw`` as held (the native kernels' view; see
-        :meth:`il16`)."""
-        return get_packed(self, slot, raw)
-
-    def il16(self, slot: str) -> bool:
-        """Whether the stack is held in the il16 decode layout (``moeq/native/csrc/il16_rows.h``)."""
-        return is_il16(self, slot)
-
-    @property
-    def activations(self) -> str:
-        """Decode numerics: ``"default"`` or ``"int8"`` (:func:`moeq.set_activations`' option)."""
-        return self.__dict__["_activations"]
-
-    @activations.setter
-    def activations(self, mode: str) -> None:
-        self.__dict__["_activations"] = mode
-        self.choose_layout()
-
-    @property
-    def decode_layout(self) -> str:
-        """``"auto"``: the stacks take the il16 decode layout where :meth:`choose_layout` finds its kernels;
-        ``"rows"``: always row-major (e.g. to compare the two)."""
-        return self.__dict__["_decode_layout"]
-
-    @decode_layout.setter
-    def decode_layout(self, layout: str) -> None:
-        if layout not in ("auto", "rows"):
-            raise ValueError(f"decode_layout must be 'auto' or 'rows', got {layout!r}")
-        self.__dict__["_decode_layout"] = layout
-        self.choose_layout()
 
     def extra_repr(self) -> str:
         layout = "il16" if self.il16("w13") else "rows"
@@ -126,16 +95,8 @@ class QuantExperts(nn.Module):
         self.choose_layout()
         return self.kernel
 
-    def choose_layout(self) -> bool:
-        """Hold both stacks in the il16 decode layout (the same bytes permuted: 16 output rows per vector, 1.2-1.8x
-        the row-major decode kernels) where every kernel this module then runs reads it: the native CPU kernel, the
-        default activations, bf16 weights, AVX512-BF16 builds, symmetric 4-bit stacks with N % 16 == 0 (see
-        ``moeq_il16_takes``); otherwise row-major. Returns whether il16 is on."""
-        on = (self.decode_layout == "auto" and self.kernel == "native" and self.activations == "default"
-              and il16_takes(self))
-        for slot in ("w13", "w2"):
-            set_il16(self, slot, on)
-        return on
+    def _il16_takes(self) -> bool:
+        return il16_takes(self, self.IL16_SLOTS)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)

@@ -5,26 +5,34 @@ import torch
 from torch import nn
 
 from moeq.formats import PackedWeight
-from moeq.kernels import cpu_ops, linear
-from moeq.nn.packed import get_packed, set_packed
+from moeq.kernels import CHUNKED_ABOVE, cpu_ops, linear
+from moeq.kernels.moe_cpu import il16_takes
+from moeq.nn.packed import DecodeLayout, get_packed, set_packed
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(DecodeLayout, nn.Module):
+    IL16_SLOTS = ("weight",)
+
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         set_packed(self, "weight", weight)
         # registered even when None, so a loader can fill it by name
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
-        self.activations = "default"  # decode numerics: "int8" is moeq.set_activations' option
+        self._init_layout()
         self.choose_kernel()
 
     def choose_kernel(self) -> str:
         """Pick the forward for where the weight lives, once (at build and after ``.to()``): ``triton`` on CUDA,
-        ``native`` on CPU (the one-call bf16 decode linear, then the registered gemv kernels), else ``torch``."""
-        dev = self.qweight.device.type
+        ``native`` on CPU (the one-call bf16 decode linear, then the registered gemv kernels), else ``torch``; then
+        the layout (:meth:`~moeq.nn.packed.DecodeLayout.choose_layout`)."""
+        dev = next(t for k, t in self._buffers.items() if k.startswith("weight_") and t is not None).device.type
         self.kernel = "triton" if dev == "cuda" else "native" if dev == "cpu" else "torch"
+        self.choose_layout()
         return self.kernel
+
+    def _il16_takes(self) -> bool:  # heads over CHUNKED_ABOVE stay row-major (their prompt path dequantizes in chunks)
+        return self.out_features * self.in_features <= CHUNKED_ABOVE and il16_takes(self, self.IL16_SLOTS)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -33,10 +41,13 @@ class QuantLinear(nn.Module):
 
     @property
     def qweight(self) -> PackedWeight:
+        """The weight, row-major (a permuted copy while held in the il16 decode layout)."""
         return get_packed(self, "weight")
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, weight={self.qweight!r}"
+        layout = "il16" if self.il16("weight") else "rows"
+        return (f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, layout={layout}, "
+                f"weight={self.packed('weight', raw=True)!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
@@ -47,6 +58,8 @@ class QuantLinear(nn.Module):
                 return y
         elif self.kernel == "native" and x.device.type == "cpu":
             y = cpu_ops.quant_linear_bf16(self, x)
+            if y is None and self.il16("weight"):
+                y = cpu_ops.il16_linear(self, x)
             if y is not None:
                 return y
         return linear(self.qweight, x, self.bias)

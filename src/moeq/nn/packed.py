@@ -100,3 +100,61 @@ def _load_into_il16(module: nn.Module, state: dict, prefix: str, *args) -> None:
             if key in state and isinstance(state[key], torch.Tensor) and state[key].shape == module._buffers[
                     f"{slot}_{field}"].shape:
                 state[key] = to_il16(state[key], unit)
+
+
+class DecodeLayout:
+    """Mixin of the quantized modules (QuantLinear, QuantExperts): the decode options ``activations`` and
+    ``decode_layout``, and the il16 choice for the slots in ``IL16_SLOTS``. The subclass sets ``self.kernel`` and
+    defines ``_il16_takes()`` (whether its native kernels take those slots in il16)."""
+
+    IL16_SLOTS: tuple[str, ...] = ()
+
+    def _init_layout(self) -> None:
+        self.__dict__["_activations"] = "default"
+        self.__dict__["_decode_layout"] = "auto"
+
+    def packed(self, slot: str, raw: bool = False) -> PackedWeight:
+        """A slot's weight, row-major (a permuted copy while held in il16), or with ``raw`` as held (the native
+        kernels' view; see :meth:`il16`)."""
+        return get_packed(self, slot, raw)
+
+    def il16(self, slot: str) -> bool:
+        """Whether the slot is held in the il16 decode layout (``moeq/native/csrc/il16_rows.h``)."""
+        return is_il16(self, slot)
+
+    @property
+    def activations(self) -> str:
+        """Decode numerics: ``"default"`` or ``"int8"`` (:func:`moeq.set_activations`' option)."""
+        return self.__dict__["_activations"]
+
+    @activations.setter
+    def activations(self, mode: str) -> None:
+        self.__dict__["_activations"] = mode
+        self.choose_layout()
+
+    @property
+    def decode_layout(self) -> str:
+        """``"auto"``: 4-bit weights take the il16 decode layout where :meth:`choose_layout` finds its kernels;
+        ``"rows"``: always row-major (e.g. to compare the two)."""
+        return self.__dict__["_decode_layout"]
+
+    @decode_layout.setter
+    def decode_layout(self, layout: str) -> None:
+        if layout not in ("auto", "rows"):
+            raise ValueError(f"decode_layout must be 'auto' or 'rows', got {layout!r}")
+        self.__dict__["_decode_layout"] = layout
+        self.choose_layout()
+
+    def choose_layout(self) -> bool:
+        """Hold the slots in the il16 decode layout (the same bytes permuted: 16 output rows per vector, 1.2-1.8x the
+        row-major decode kernels) where every kernel the module then runs reads it: the native CPU kernel, the
+        default activations, bf16 weights, AVX512-BF16 builds, symmetric 4-bit weights with N % 16 == 0 and
+        K % 64 == 0 (``moeq_il16_takes``); otherwise row-major. Returns whether il16 is on."""
+        on = (self.decode_layout == "auto" and getattr(self, "kernel", None) == "native"
+              and self.activations == "default" and self._il16_takes())
+        for slot in self.IL16_SLOTS:
+            set_il16(self, slot, on)
+        return on
+
+    def _il16_takes(self) -> bool:
+        return False

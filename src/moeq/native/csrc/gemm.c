@@ -78,19 +78,6 @@ static void dequant_tile4(const moeq_wstack* w, const uint8_t* q, const void* sc
     }
 }
 
-// Block b of an il16 stack's expert e back in row-major order: codes (16 rows of K/2 bytes) into q, scales (16 rows
-// of G) into sc.
-static void il16_unpack(const moeq_wstack* w, i64 e, i64 b, uint8_t* q, uint8_t* sc) {
-    const i64 K = w->K, U = K / 4, G = K / w->gs, ss = scale_size(w->scale_bf16);
-    const uint16_t* src = (const uint16_t*)il16_codes(w, e, b);
-    uint16_t* dst = (uint16_t*)q;
-    for (i64 c = 0; c < U; c++)
-        for (i64 r = 0; r < 16; r++) dst[r * U + c] = src[c * 16 + r];
-    const uint8_t* sb = (const uint8_t*)il16_scale_at(w, e, b);
-    for (i64 g = 0; g < G; g++)
-        for (i64 r = 0; r < 16; r++) memcpy(sc + (r * G + g) * ss, sb + (g * 16 + r) * ss, (size_t)ss);
-}
-
 // The dequantized tile of expert e's rows n0..n0+TILE_R (bf16 [TILE_R][K], in perm4's K order when perm4). stage:
 // room for one block's codes and scales in row-major order (il16 stacks are unpacked into it first).
 static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_t* dst, uint8_t* stage) {

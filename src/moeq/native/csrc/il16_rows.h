@@ -17,6 +17,31 @@
 #define MOEQ_IL16_ROWS_H
 #include "moeq.h"
 
+// Block b of expert e of stack w: its codes, scales and row factors.
+static inline const uint8_t* il16_codes(const moeq_wstack* w, i64 e, i64 b) {
+    return w->q + (e * (w->N / 16) + b) * 8 * w->K;
+}
+static inline const void* il16_scale_at(const moeq_wstack* w, i64 e, i64 b) {
+    return (const char*)w->scale + (e * (w->N / 16) + b) * 16 * (w->K / w->gs) * scale_size(w->scale_bf16);
+}
+static inline const uint16_t* il16_sup(const moeq_wstack* w, i64 e, i64 b) {
+    return w->scale_super ? w->scale_super + e * w->N + 16 * b : NULL;
+}
+
+// Block b of an il16 stack's expert e back in row-major order: codes (16 rows of K/2 bytes) into q, scales (16 rows
+// of G) into sc.
+static inline void il16_unpack(const moeq_wstack* w, i64 e, i64 b, uint8_t* q, uint8_t* sc) {
+    const i64 K = w->K, U = K / 4, G = K / w->gs, ss = scale_size(w->scale_bf16);
+    const uint16_t* src = (const uint16_t*)il16_codes(w, e, b);
+    uint16_t* dst = (uint16_t*)q;
+    for (i64 c = 0; c < U; c++)
+        for (i64 r = 0; r < 16; r++) dst[r * U + c] = src[c * 16 + r];
+    const uint8_t* sb = (const uint8_t*)il16_scale_at(w, e, b);
+    for (i64 g = 0; g < G; g++)
+        for (i64 r = 0; r < 16; r++) memcpy(sc + (r * G + g) * ss, sb + (g * 16 + r) * ss, (size_t)ss);
+}
+
+
 #if defined(__AVX512BF16__)
 #define MOEQ_IL16 1
 
@@ -101,15 +126,5 @@ static inline void il16_block_m(const uint8_t* cb, const void* sb, int kind, con
 #undef IL_CASE
 }
 
-// Block b of expert e of stack w: its codes, scales and row factors.
-static inline const uint8_t* il16_codes(const moeq_wstack* w, i64 e, i64 b) {
-    return w->q + (e * (w->N / 16) + b) * 8 * w->K;
-}
-static inline const void* il16_scale_at(const moeq_wstack* w, i64 e, i64 b) {
-    return (const char*)w->scale + (e * (w->N / 16) + b) * 16 * (w->K / w->gs) * scale_size(w->scale_bf16);
-}
-static inline const uint16_t* il16_sup(const moeq_wstack* w, i64 e, i64 b) {
-    return w->scale_super ? w->scale_super + e * w->N + 16 * b : NULL;
-}
 #endif
 #endif
