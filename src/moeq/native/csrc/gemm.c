@@ -48,8 +48,9 @@ static int perm4_takes(const moeq_wstack* w) {
     return w->bits == 4 && w->K % 64 == 0 && (w->gs == 32 || w->gs % 64 == 0);
 }
 
-// The TILE_R rows from q (row-major codes, K/2 bytes apart), sc (their G scales each), zp, sup (or NULL).
-static void dequant_tile4(const moeq_wstack* w, const uint8_t* q, const void* sc, const uint8_t* zp,
+// The TILE_R rows from q (row-major codes, K/2 bytes apart), sc (the scale of row r, group g at r * rs + g * gst:
+// row-major rs = G, gst = 1; an il16 block's rs = 1, gst = 16), zp (row-major, or NULL), sup (or NULL).
+static void dequant_tile4(const moeq_wstack* w, const uint8_t* q, const void* sc, i64 rs, i64 gst, const uint8_t* zp,
                           const uint16_t* sup, uint16_t* dst) {
     const i64 K = w->K, G = K / w->gs;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -63,8 +64,8 @@ static void dequant_tile4(const moeq_wstack* w, const uint8_t* q, const void* sc
         for (i64 c = 0; c < K / 64; c++) {
             __m512 t[2];
             for (int h = 0; h < 2; h++) {
-                const i64 g = r * G + (64 * c + 32 * h) / w->gs;
-                const __m512 s = _mm512_set1_ps(load_scale(sc, w->scale_bf16, g) * su);
+                const i64 gi = (64 * c + 32 * h) / w->gs, g = r * G + gi;
+                const __m512 s = _mm512_set1_ps(load_scale(sc, w->scale_bf16, r * rs + gi * gst) * su);
                 const __m512 v = w->values ? vals : _mm512_sub_ps(iota, _mm512_set1_ps(zp ? (float)zp[g] : 8.f));
                 t[h] = _mm512_mul_ps(v, s);
             }
@@ -86,13 +87,17 @@ static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_
     const void* sc = (const char*)w->scale + (e * N + n0) * G * ss;
     const uint8_t* zp = w->zero ? w->zero + (e * N + n0) * G : NULL;
     const uint16_t* sup = w->scale_super ? w->scale_super + e * N + n0 : NULL;
-    if (w->il16) {  // TILE_R == 16: one block
-        il16_unpack(w, e, n0 / 16, stage, stage + TILE_R * rowb);
+    if (w->il16) {  // TILE_R == 16: one block; perm4 reads its scales in place
+        il16_unpack(w, e, n0 / 16, stage, perm4 ? NULL : stage + TILE_R * rowb);
         q = stage;
+        if (perm4) {
+            dequant_tile4(w, q, il16_scale_at(w, e, n0 / 16), 1, 16, NULL, sup, dst);
+            return;
+        }
         sc = stage + TILE_R * rowb;
     }
     if (perm4)
-        dequant_tile4(w, q, sc, zp, sup, dst);
+        dequant_tile4(w, q, sc, G, 1, zp, sup, dst);
     else if (w->values)
         cb4_dequant_rows(q, sc, w->scale_bf16, sup, w->values, w->bits, 0, TILE_R, K, w->gs, dst, 1);
     else

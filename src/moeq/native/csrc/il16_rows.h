@@ -28,14 +28,68 @@ static inline const uint16_t* il16_sup(const moeq_wstack* w, i64 e, i64 b) {
     return w->scale_super ? w->scale_super + e * w->N + 16 * b : NULL;
 }
 
+#if defined(__AVX512BW__)
+// Word indices of the three vpermt2w levels of il16_transpose16 (A/B: rows 0-7 / 8-15 of 4 units from two vectors of
+// [2 units][16 rows]; C/D: rows 0-3 / 4-7 of 8 units from two [8 rows][4 units]; E/F: rows 0-1 / 2-3 of 16 units
+// from two [4 rows][8 units]).
+static inline void il16_tr_index(uint16_t idx[6][32]) {
+    for (int r = 0; r < 8; r++)
+        for (int u = 0; u < 4; u++)
+            for (int h = 0; h < 2; h++)
+                idx[h][r * 4 + u] = (uint16_t)((u < 2 ? u * 16 : 32 + (u - 2) * 16) + r + 8 * h);
+    for (int r = 0; r < 4; r++)
+        for (int u = 0; u < 8; u++)
+            for (int h = 0; h < 2; h++)
+                idx[2 + h][r * 8 + u] = (uint16_t)((u < 4 ? 0 : 32) + (r + 4 * h) * 4 + (u & 3));
+    for (int r = 0; r < 2; r++)
+        for (int u = 0; u < 16; u++)
+            for (int h = 0; h < 2; h++)
+                idx[4 + h][r * 16 + u] = (uint16_t)((u < 8 ? 0 : 32) + (r + 2 * h) * 8 + (u & 7));
+}
+
+// 16 units x 16 rows of 2-byte codes ([unit][row] at src) transposed into dst ([row][unit], rows `ld` units apart).
+static inline void il16_transpose16(const uint16_t* src, uint16_t* dst, i64 ld, const __m512i ix[6]) {
+    __m512i z[8], a[8], c[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm512_loadu_si512(src + 32 * i);
+    for (int p = 0; p < 4; p++) {  // a[p]: rows 0-7 of units 4p..4p+3; a[4 + p]: rows 8-15
+        a[p] = _mm512_permutex2var_epi16(z[2 * p], ix[0], z[2 * p + 1]);
+        a[4 + p] = _mm512_permutex2var_epi16(z[2 * p], ix[1], z[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) {  // q: (row half, unit half) = (q >> 1, q & 1); c[2q]: 4 rows, c[2q + 1]: the next 4
+        const __m512i x = a[4 * (q >> 1) + 2 * (q & 1)], y = a[4 * (q >> 1) + 2 * (q & 1) + 1];
+        c[2 * q] = _mm512_permutex2var_epi16(x, ix[2], y);
+        c[2 * q + 1] = _mm512_permutex2var_epi16(x, ix[3], y);
+    }
+    for (int s = 0; s < 4; s++) {  // rows 4s..4s+3 of units 0-7 (c[...]) and 8-15
+        const int rh = s >> 1, sub = s & 1;  // row half (0: rows 0-7), which 4 rows within it
+        const __m512i x = c[2 * (2 * rh) + sub], y = c[2 * (2 * rh + 1) + sub];
+        for (int h = 0; h < 2; h++) {
+            const __m512i e = _mm512_permutex2var_epi16(x, ix[4 + h], y);
+            const i64 r = 4 * s + 2 * h;
+            _mm256_storeu_si256((__m256i*)(dst + r * ld), _mm512_castsi512_si256(e));
+            _mm256_storeu_si256((__m256i*)(dst + (r + 1) * ld), _mm512_extracti64x4_epi64(e, 1));
+        }
+    }
+}
+#endif
+
 // Block b of an il16 stack's expert e back in row-major order: codes (16 rows of K/2 bytes) into q, scales (16 rows
-// of G) into sc.
+// of G) into sc (unless NULL).
 static inline void il16_unpack(const moeq_wstack* w, i64 e, i64 b, uint8_t* q, uint8_t* sc) {
     const i64 K = w->K, U = K / 4, G = K / w->gs, ss = scale_size(w->scale_bf16);
     const uint16_t* src = (const uint16_t*)il16_codes(w, e, b);
     uint16_t* dst = (uint16_t*)q;
-    for (i64 c = 0; c < U; c++)
+    i64 c0 = 0;
+#if defined(__AVX512BW__)
+    uint16_t idx[6][32];
+    il16_tr_index(idx);
+    __m512i ix[6];
+    for (int i = 0; i < 6; i++) ix[i] = _mm512_loadu_si512(idx[i]);
+    for (; c0 + 16 <= U; c0 += 16) il16_transpose16(src + c0 * 16, dst + c0, U, ix);
+#endif
+    for (i64 c = c0; c < U; c++)
         for (i64 r = 0; r < 16; r++) dst[r * U + c] = src[c * 16 + r];
+    if (!sc) return;
     const uint8_t* sb = (const uint8_t*)il16_scale_at(w, e, b);
     for (i64 g = 0; g < G; g++)
         for (i64 r = 0; r < 16; r++) memcpy(sc + (r * G + g) * ss, sb + (g * 16 + r) * ss, (size_t)ss);
