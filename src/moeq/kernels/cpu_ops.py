@@ -13,7 +13,7 @@ from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq.formats.rtn import CODEBOOKS
 from moeq import native
 from moeq.kernels.registry import register
-from moeq.kernels.moe_cpu import codebook_of, codebook_tables, describe
+from moeq.kernels.moe_cpu import codebook_of, codebook_tables, describe, il16_dequant
 from moeq.native import Fmt
 
 MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
@@ -178,16 +178,10 @@ def il16_linear(module, x: torch.Tensor) -> torch.Tensor | None:
     plan = _linear_plan(module)
     if plan is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
-    stack, _, n, k = plan[:4]
-    wd = torch.empty(n, k, dtype=torch.bfloat16)
-    rc = native.lib().moeq_il16_dequant(ctypes.byref(stack), native.i64(0), native.ptr(wd))
-    if rc == -1:
-        raise MemoryError("moeq_il16_dequant: could not allocate its scratch")
-    if rc != 1:
-        return None
     bias, cd = module.bias, matmul_dtype(x.dtype, x.device)
+    wd = il16_dequant(plan[0], 0, cd)
     if cd != x.dtype:
-        return F.linear(x.to(cd), wd.to(cd), None if bias is None else bias.to(cd)).to(x.dtype)
+        return F.linear(x.to(cd), wd, None if bias is None else bias.to(cd)).to(x.dtype)
     return F.linear(x, wd, bias)
 
 

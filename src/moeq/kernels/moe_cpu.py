@@ -40,15 +40,16 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
         if not stack.lut:  # the symmetric 4-bit grids: value = scale * (q - 8), read through the signed table
             values, lut = codebook_tables("signed")
             keep += [values, lut]
-            stack.lut = lut.data_ptr()
+            stack.lut, stack.values = lut.data_ptr(), values.data_ptr()
     return stack
 
 
 def il16_takes(module, slots: tuple[str, ...]) -> bool:
     """Whether a quantized module's weights (``slots``: QuantExperts' two stacks, QuantLinear's weight) can be held in
-    the il16 decode layout: bf16 RTN weights on CPU inside ``moeq_il16_takes``' domain (AVX512-BF16 builds)."""
+    the il16 decode layout: bf16 RTN weights on CPU inside ``moeq_il16_takes``' domain (AVX512-BF16 builds; AVX2
+    builds at groups of a multiple of 32)."""
     L = native.lib()
-    if L is None or not native.has_dpbf16():
+    if L is None:
         return False
     keep: list = []
     for slot in slots:
@@ -277,3 +278,20 @@ def moe_prefill(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torc
     if rc == -1:
         raise MemoryError("moeq_moe_prefill: could not allocate its scratch")
     return out if rc == 1 else None
+
+
+def held_stacks(module) -> tuple[WStack, WStack] | None:
+    """A QuantExperts' two stacks described as held (row-major or il16) for the bf16 kernels, default activations."""
+    return _plan(module, True, act=False)
+
+
+def il16_dequant(stack: WStack, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e`` of an il16 stack (described as held) dequantized natively into a row-major ``[N, K]`` tensor of
+    ``dtype`` (bf16 or fp32): the row-major dequantizers' values."""
+    out = torch.empty(stack.N, stack.K, dtype=dtype)
+    rc = native.lib().moeq_il16_dequant(ctypes.byref(stack), native.i64(e), native.ptr(out), int(dtype == torch.bfloat16))
+    if rc == -1:
+        raise MemoryError("moeq_il16_dequant: could not allocate its scratch")
+    if rc != 1:
+        raise RuntimeError("moeq_il16_dequant declined an il16 stack")
+    return out

@@ -124,7 +124,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_rows16_pack": (_INT, [_WS, _INT, _P]),
     "moeq_rows16_gemv": (_INT, [_WS, _P, _I, _P]),
     "moeq_il16_takes": (_INT, [_WS]),
-    "moeq_il16_dequant": (_INT, [_WS, _I, _P]),
+    "moeq_il16_dequant": (_INT, [_WS, _I, _P, _INT]),
     # moe.c
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),

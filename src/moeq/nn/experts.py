@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear, matmul_dtype
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
-from moeq.kernels.moe_cpu import il16_takes, moe_forward, moe_prefill, moe_routed
+from moeq.kernels.moe_cpu import held_stacks, il16_dequant, il16_takes, moe_forward, moe_prefill, moe_routed
 from moeq.nn.packed import DecodeLayout, get_packed, set_packed
 
 # Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
@@ -142,9 +142,9 @@ class QuantExperts(DecodeLayout, nn.Module):
                 tl, wl = self._pairs(token_of, weight_of, keep, False)
                 big = moe_prefill(self, hidden_states, tl, wl, large)
                 if big is None:
-                    big = self._forward_loop(hidden_states, tl, wl, large, self.w13, self.w2, out)
+                    big = self._forward_loop(hidden_states, tl, wl, large, out)
                 return big.to(out.dtype) if fused is None else (big + fused).to(out.dtype)
-        return self._forward_loop(hidden_states, token_of, weight_of, counts, self.w13, self.w2, out)
+        return self._forward_loop(hidden_states, token_of, weight_of, counts, out)
 
     @staticmethod
     def _pairs(token_of: torch.Tensor, weight_of: torch.Tensor, keep: torch.Tensor | None, small: bool):
@@ -154,17 +154,24 @@ class QuantExperts(DecodeLayout, nn.Module):
         sel = keep if small else ~keep
         return token_of[sel], weight_of[sel]
 
-    def _forward_loop(self, hidden_states, token_of, weight_of, counts, w13, w2, out):
+    def _forward_loop(self, hidden_states, token_of, weight_of, counts, out):
         """Experts one by one (the many-rows path): each expert's weight is dequantized into one reused buffer for its
-        matmul, while the gather, activation and scatter run once over all pairs rather than once per expert."""
+        matmul (stacks held in il16: dequantized natively from it), while the gather, activation and scatter run once
+        over all pairs rather than once per expert."""
         i = self.intermediate_dim
         xs = hidden_states[token_of]  # [P, H], pairs grouped by expert
         if self.weight_on_input:
             xs = xs * weight_of[:, None].to(xs.dtype)
-        buf = torch.empty(max(w13.numel, w2.numel) // self.num_experts, dtype=matmul_dtype(xs.dtype, xs.device),
-                          device=xs.device)
-        h13 = self._per_expert(w13, self.b13, xs, counts, buf)  # [P, 2I]
-        ys = self._per_expert(w2, self.b2, self.activation.glu_(h13, i), counts, buf)  # [P, H]
+        stacks = held_stacks(self) if self.il16("w13") and xs.device.type == "cpu" else None
+        if stacks is not None:
+            h13 = self._per_expert_il16(stacks[0], self.b13, xs, counts)
+            ys = self._per_expert_il16(stacks[1], self.b2, self.activation.glu_(h13, i), counts)
+        else:
+            w13, w2 = self.w13, self.w2
+            buf = torch.empty(max(w13.numel, w2.numel) // self.num_experts, dtype=matmul_dtype(xs.dtype, xs.device),
+                              device=xs.device)
+            h13 = self._per_expert(w13, self.b13, xs, counts, buf)  # [P, 2I]
+            ys = self._per_expert(w2, self.b2, self.activation.glu_(h13, i), counts, buf)  # [P, H]
         if not self.weight_on_input:
             wts = weight_of[:, None]
             ys = ys.mul_(wts) if wts.dtype == ys.dtype else ys * wts  # as transformers: promoted when they differ
@@ -178,6 +185,20 @@ class QuantExperts(DecodeLayout, nn.Module):
         for e, n in enumerate(counts):
             if n:
                 expert_linear(w, e, xs[start:start + n], None if bias is None else bias[e], buf, ys[start:start + n])
+            start += n
+        return ys
+
+    @staticmethod
+    def _per_expert_il16(stack, bias: torch.Tensor | None, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """:meth:`_per_expert` for a stack held in il16 (``stack``: its native description): the same dequantized
+        values and matmul dtype as :func:`moeq.kernels.reference`."""
+        ys = torch.empty(xs.shape[0], stack.N, dtype=xs.dtype, device=xs.device)
+        cd = matmul_dtype(xs.dtype, xs.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                b = None if bias is None else bias[e].to(cd)
+                ys[start:start + n] = torch.nn.functional.linear(xs[start:start + n].to(cd), il16_dequant(stack, e, cd), b)
             start += n
         return ys
 

@@ -180,5 +180,83 @@ static inline void il16_block_m(const uint8_t* cb, const void* sb, int kind, con
 #undef IL_CASE
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "rows_avx2.h"
+#define MOEQ_IL16_AVX2 1
+// AVX2 builds (bf16 models): activations as int16 per 32-chunk (x_to_i16_32), codes through an int8 table (the
+// format's values, cb_tables_i8) widened to int16, vpmaddwd against the broadcast activation pairs — exact int32 sums
+// per chunk, then one conversion and FMA per chunk and 8 rows. gs % 32 == 0.
+
+// x [K] as x_to_i16_32's int16 (in order) with each 4-column unit as (x0, x2, x1, x3); sx its chunk scales.
+static inline void x_to_il16_i16(const float* x, i64 K, int16_t* xq, float* sx) {
+    x_to_i16_32(x, K, 0, xq, sx);
+    for (i64 k = 0; k < K; k += 4) {
+        const int16_t t = xq[k + 1];
+        xq[k + 1] = xq[k + 2];
+        xq[k + 2] = t;
+    }
+}
+
+static inline __m256 il16_scales8(const void* s, int kind) {  // 8 scales of one block half and group as fp32
+    if (kind == 2) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)s)));
+    if (kind == 1)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s)), 16));
+    return _mm256_loadu_ps((const float*)s);
+}
+
+// y[m * ldy + r] = row r of one 16-row block against activation row m (m < M <= 4, compile-time), xq/sx as
+// x_to_il16_i16 gives them (rows K and K/32 apart), tab the 16 int8 values.
+static inline __attribute__((always_inline)) void il16_block_avx2(const uint8_t* cb, const void* sb, const int kind,
+                                                                  const uint16_t* sup16, const __m128i tab,
+                                                                  const int16_t* xq, const float* sx, const i64 M,
+                                                                  i64 K, i64 gs, float* y, i64 ldy) {
+    const i64 ss = scale_size(kind);
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {  // rows 0-7: the first 16 bytes of each unit, rows 8-15 the next
+        __m256 tot[4];
+        for (i64 m = 0; m < M; m++) tot[m] = _mm256_setzero_ps();
+        for (i64 c0 = 0; c0 < K / 4; c0 += 8) {  // one 32-element chunk
+            __m256i acc[4];
+            for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
+            for (i64 c = c0; c < c0 + 8; c++) {
+                const __m128i b = _mm_loadu_si128((const __m128i*)(cb + 32 * c + 16 * h));
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, _mm_and_si128(b, m4)));
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(b, 4), m4)));
+                for (i64 m = 0; m < M; m++) {
+                    int32_t p0, p1;
+                    memcpy(&p0, xq + m * K + 4 * c, 4);
+                    memcpy(&p1, xq + m * K + 4 * c + 2, 4);
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(p0)),
+                                                                       _mm256_madd_epi16(hi, _mm256_set1_epi32(p1))));
+                }
+            }
+            const __m256 d = il16_scales8((const char*)sb + ((4 * c0 / gs) * 16 + 8 * h) * ss, kind);
+            for (i64 m = 0; m < M; m++)
+                tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(d, _mm256_set1_ps(sx[m * (K / 32) + c0 / 8])),
+                                         tot[m]);
+        }
+        const __m256 f = sup16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sup16 + 8 * h))), 16))
+                               : _mm256_set1_ps(1.f);
+        for (i64 m = 0; m < M; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, _mm256_mul_ps(tot[m], f));
+    }
+}
+
+// The same for M (1..8) activation rows, 4 at a time.
+static inline void il16_block_avx2_m(const uint8_t* cb, const void* sb, int kind, const uint16_t* sup16,
+                                     const __m128i tab, const int16_t* xq, const float* sx, i64 M, i64 K, i64 gs,
+                                     float* y, i64 ldy) {
+    for (i64 m0 = 0; m0 < M; m0 += 4) {
+        const int16_t* xr = xq + m0 * K;
+        const float* sr = sx + m0 * (K / 32);
+        float* yr = y + m0 * ldy;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+            case 1: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 1, K, gs, yr, ldy); break;
+            case 2: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 2, K, gs, yr, ldy); break;
+            case 3: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 3, K, gs, yr, ldy); break;
+            default: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 4, K, gs, yr, ldy); break;
+        }
+    }
+}
 #endif
 #endif

@@ -27,11 +27,47 @@ int moeq_il16_takes(const moeq_wstack* w) {
     return w->fmt == MOEQ_FMT_RTN && w->bits == 4 && !w->zero && w->lut && w->dot_bf16 && w->N > 0 && w->N % 16 == 0 &&
            w->K > 0 && w->K % 64 == 0 && w->gs > 0 && w->gs % 16 == 0 && w->K % w->gs == 0 &&
            (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 == 0 || w->scale_bf16 == 1);
+#elif defined(MOEQ_IL16_AVX2)  // int16 activation chunks of 32 inside a group; the values an int8 table
+    __m128i t[2];
+    return w->fmt == MOEQ_FMT_RTN && w->bits == 4 && !w->zero && w->values && w->dot_bf16 && w->N > 0 &&
+           w->N % 16 == 0 && w->K > 0 && w->K % 64 == 0 && w->gs > 0 && w->gs % 32 == 0 && w->K % w->gs == 0 &&
+           (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 == 0 || w->scale_bf16 == 1) &&
+           cb_tables_i8(w->values, 4, t);
 #else
     (void)w;
     return 0;
 #endif
 }
+
+#if defined(MOEQ_IL16_AVX2)
+// The AVX2 form of il16_gemv below: x as int16 il16 pairs (scratch: m*K/2 floats) and chunk scales (m*K/32).
+static void il16_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, NB = N / 16;
+    int16_t* xq = (int16_t*)scratch;
+    float* sx = scratch + m * K / 2;
+    for (i64 r = 0; r < m; r++) x_to_il16_i16(x + r * K, K, xq + r * K, sx + r * (K / 32));
+    __m128i t[2];
+    cb_tables_i8(w->values, 4, t);
+#pragma omp parallel for schedule(static)
+    for (i64 b0 = 0; b0 < NB; b0++)
+        il16_block_avx2_m(il16_codes(w, e, b0), il16_scale_at(w, e, b0), w->scale_bf16, il16_sup(w, e, b0), t[0], xq,
+                          sx, m, K, w->gs, y + 16 * b0, N);
+}
+
+// Inside a parallel region: y[a, 8, N] rows 0..rows(a)-1 = W[act[a]] x[a] (x at [a, 8, K] from x_to_il16_i16, chunk
+// scales at [a, 8, K/32]), the 16-row blocks of all experts shared out over the threads.
+static inline void il16_pass_avx2(const moeq_wstack* w, const i64* act, const i64* start, i64 A, const int16_t* xq,
+                                  const float* sx, __m128i tab, i64 K, i64 N, float* y) {
+    const i64 NB = N / 16;
+#pragma omp for schedule(static)
+    for (i64 t = 0; t < A * NB; t++) {
+        const i64 a = t / NB, b = t % NB, e = act[a];
+        il16_block_avx2_m(il16_codes(w, e, b), il16_scale_at(w, e, b), w->scale_bf16, il16_sup(w, e, b), tab,
+                          xq + a * 8 * K, sx + a * 8 * (K / 32), start[e + 1] - start[e], K, w->gs,
+                          y + a * 8 * N + 16 * b, N);
+    }
+}
+#endif
 
 #if defined(MOEQ_IL16)
 // y[m, N] = x[m, K] @ W[e]^T for an il16 stack: x as bf16 pairs in scratch (m*K/2 floats), blocks over the threads.
@@ -66,7 +102,7 @@ static inline void il16_pass(const moeq_wstack* w, const i64* act, const i64* st
 // y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
 static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K;
-#if defined(MOEQ_IL16)
+#if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
     if (w->il16) {  // its codes are not row-major: no other kernel may read them
         il16_gemv(w, e, x, m, y, scratch);
         return;
@@ -344,7 +380,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         const i64 e = act[a], p0 = expert_start[e], m = expert_start[e + 1] - p0;
         for (i64 r = 0; r < m; r++)
 #if defined(MOEQ_AVX2)
-            x_to_i16_32(x + pair_tok[p0 + r] * H, H, 1, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+            if (w13->il16) x_to_il16_i16(x + pair_tok[p0 + r] * H, H, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+            else x_to_i16_32(x + pair_tok[p0 + r] * H, H, 1, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
 #else
             if (w13->il16) x_to_il16(x + pair_tok[p0 + r] * H, H, xb + (a * 8 + r) * H);
             else x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
@@ -354,6 +391,11 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     if (w13->il16) {
 #pragma omp parallel
         il16_pass(w13, act, expert_start, A, xb, H, I2, h);
+    } else
+#elif defined(MOEQ_IL16_AVX2)
+    if (w13->il16) {
+#pragma omp parallel
+        il16_pass_avx2(w13, act, expert_start, A, (const int16_t*)xb, xs, t13[0], H, I2, h);
     } else
 #endif
 #pragma omp parallel for schedule(static)
@@ -382,7 +424,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             float* t = y;  // y is free until the w2 pass: the fp32 activation row
             silu_glu_row(hr, hr + I, I, t);
 #if defined(MOEQ_AVX2)
-            x_to_i16_32(t, I, 1, (int16_t*)dst, as + (a * 8 + r) * C2);
+            if (w2->il16) x_to_il16_i16(t, I, (int16_t*)dst, as + (a * 8 + r) * C2);
+            else x_to_i16_32(t, I, 1, (int16_t*)dst, as + (a * 8 + r) * C2);
 #else
             if (w2->il16) x_to_il16(t, I, dst);
             else x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
@@ -393,6 +436,11 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     if (w2->il16) {
 #pragma omp parallel
         il16_pass(w2, act, expert_start, A, ab, I, H, y);
+    } else
+#elif defined(MOEQ_IL16_AVX2)
+    if (w2->il16) {
+#pragma omp parallel
+        il16_pass_avx2(w2, act, expert_start, A, (const int16_t*)ab, as, t2[0], I, H, y);
     } else
 #endif
 #pragma omp parallel for schedule(static)

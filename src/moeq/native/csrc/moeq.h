@@ -283,7 +283,7 @@ int moeq_rows16_pack(const moeq_wstack* w, int layout, uint8_t* out);
 int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y);
 // moe.c: the il16 decode layout (il16_rows.h)
 int moeq_il16_takes(const moeq_wstack* w);
-int moeq_il16_dequant(const moeq_wstack* w, i64 e, uint16_t* out);  // quants.c
+int moeq_il16_dequant(const moeq_wstack* w, i64 e, void* out, int out_bf16);  // quants.c
 // ---- exports (moe.c) ----
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
                             float* scratch);

@@ -1109,10 +1109,10 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
     }
 }
 
-// Expert e of an il16 stack (il16_rows.h) dequantized into row-major bf16 out [N, K]: each 16-row block unpacked,
-// then the row-major dequantizers above (the same values as for the row-major stack). Returns 1, 0 outside the
-// layout's domain, -1 when scratch could not be allocated.
-int moeq_il16_dequant(const moeq_wstack* w, i64 e, uint16_t* out) {
+// Expert e of an il16 stack (il16_rows.h) dequantized into row-major out [N, K] (bf16 or fp32): each 16-row block
+// unpacked, then the row-major dequantizers above (the same values as for the row-major stack). Returns 1, 0 outside
+// the layout's domain, -1 when scratch could not be allocated.
+int moeq_il16_dequant(const moeq_wstack* w, i64 e, void* out, int out_bf16) {
     if (!w->il16 || w->bits != 4 || w->zero || w->N % 16 || w->K % 4 || w->gs <= 0 || w->K % w->gs) return 0;
     const i64 K = w->K, G = K / w->gs, ss = scale_size(w->scale_bf16), NB = w->N / 16, per = 8 * K + 16 * G * ss;
 #ifdef _OPENMP
@@ -1132,12 +1132,12 @@ int moeq_il16_dequant(const moeq_wstack* w, i64 e, uint16_t* out) {
 #pragma omp for schedule(static)
         for (i64 b = 0; b < NB; b++) {
             il16_unpack(w, e, b, mine, mine + 8 * K);
-            uint16_t* o = out + 16 * b * K;
+            void* o = (char*)out + 16 * b * K * (out_bf16 ? 2 : 4);
             if (w->values)
                 cb4_dequant_rows(mine, mine + 8 * K, w->scale_bf16, il16_sup(w, e, b), w->values, 4, 0, 16, K, w->gs,
-                                 o, 1);
+                                 o, out_bf16);
             else
-                rtn_dequant_rows(mine, mine + 8 * K, w->scale_bf16, NULL, 4, 0, 16, K, w->gs, o, 1);
+                rtn_dequant_rows(mine, mine + 8 * K, w->scale_bf16, NULL, 4, 0, 16, K, w->gs, o, out_bf16);
         }
     }
     free(buf);
