@@ -285,10 +285,13 @@ def held_stacks(module) -> tuple[WStack, WStack] | None:
     return _plan(module, True, act=False)
 
 
-def il16_dequant(stack: WStack, e: int, dtype: torch.dtype) -> torch.Tensor:
+def il16_dequant(stack: WStack, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Expert ``e`` of an il16 stack (described as held) dequantized natively into a row-major ``[N, K]`` tensor of
-    ``dtype`` (bf16 or fp32): the row-major dequantizers' values."""
-    out = torch.empty(stack.N, stack.K, dtype=dtype)
+    ``dtype`` (bf16 or fp32; ``out``: a contiguous buffer of that dtype with room for it, reused across experts): the
+    row-major dequantizers' values."""
+    n = stack.N * stack.K
+    out = torch.empty(n, dtype=dtype) if out is None or out.dtype != dtype or out.numel() < n else out
+    out = out.view(-1)[:n].view(stack.N, stack.K)
     rc = native.lib().moeq_il16_dequant(ctypes.byref(stack), native.i64(e), native.ptr(out), int(dtype == torch.bfloat16))
     if rc == -1:
         raise MemoryError("moeq_il16_dequant: could not allocate its scratch")

@@ -194,11 +194,13 @@ class QuantExperts(DecodeLayout, nn.Module):
         values and matmul dtype as :func:`moeq.kernels.reference`."""
         ys = torch.empty(xs.shape[0], stack.N, dtype=xs.dtype, device=xs.device)
         cd = matmul_dtype(xs.dtype, xs.device)
+        buf = torch.empty(stack.N * stack.K, dtype=cd)  # one dequantized expert at a time
         start = 0
         for e, n in enumerate(counts):
             if n:
                 b = None if bias is None else bias[e].to(cd)
-                ys[start:start + n] = torch.nn.functional.linear(xs[start:start + n].to(cd), il16_dequant(stack, e, cd), b)
+                w = il16_dequant(stack, e, cd, buf)
+                ys[start:start + n] = torch.nn.functional.linear(xs[start:start + n].to(cd), w, b)
             start += n
         return ys
 

@@ -73,6 +73,28 @@ static inline void il16_transpose16(const uint16_t* src, uint16_t* dst, i64 ld, 
 }
 #endif
 
+#if defined(__SSE2__)
+// 8 units x 8 rows of 2-byte codes transposed in place (r[u] holds unit u's 8 rows; out: r[i] holds row i's 8 units).
+static inline void il16_transpose8(__m128i* r) {
+    const __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+    const __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+    const __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+    const __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+    const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    r[0] = _mm_unpacklo_epi64(b0, b4);
+    r[1] = _mm_unpackhi_epi64(b0, b4);
+    r[2] = _mm_unpacklo_epi64(b1, b5);
+    r[3] = _mm_unpackhi_epi64(b1, b5);
+    r[4] = _mm_unpacklo_epi64(b2, b6);
+    r[5] = _mm_unpackhi_epi64(b2, b6);
+    r[6] = _mm_unpacklo_epi64(b3, b7);
+    r[7] = _mm_unpackhi_epi64(b3, b7);
+}
+#endif
+
 // Block b of an il16 stack's expert e back in row-major order: codes (16 rows of K/2 bytes) into q, scales (16 rows
 // of G) into sc (unless NULL).
 static inline void il16_unpack(const moeq_wstack* w, i64 e, i64 b, uint8_t* q, uint8_t* sc) {
@@ -86,6 +108,15 @@ static inline void il16_unpack(const moeq_wstack* w, i64 e, i64 b, uint8_t* q, u
     __m512i ix[6];
     for (int i = 0; i < 6; i++) ix[i] = _mm512_loadu_si512(idx[i]);
     for (; c0 + 16 <= U; c0 += 16) il16_transpose16(src + c0 * 16, dst + c0, U, ix);
+#endif
+#if defined(__SSE2__)
+    for (; c0 + 8 <= U; c0 += 8)
+        for (int rh = 0; rh < 2; rh++) {
+            __m128i r[8];
+            for (int u = 0; u < 8; u++) r[u] = _mm_loadu_si128((const __m128i*)(src + (c0 + u) * 16 + 8 * rh));
+            il16_transpose8(r);
+            for (int i = 0; i < 8; i++) _mm_storeu_si128((__m128i*)(dst + (8 * rh + i) * U + c0), r[i]);
+        }
 #endif
     for (i64 c = c0; c < U; c++)
         for (i64 r = 0; r < 16; r++) dst[r * U + c] = src[c * 16 + r];
@@ -204,58 +235,67 @@ static inline __m256 il16_scales8(const void* s, int kind) {  // 8 scales of one
     return _mm256_loadu_ps((const float*)s);
 }
 
-// y[m * ldy + r] = row r of one 16-row block against activation row m (m < M <= 4, compile-time), xq/sx as
-// x_to_il16_i16 gives them (rows K and K/32 apart), tab the 16 int8 values.
+// y[m * ldy + r] = row r of one 16-row block against activation row m (m < M <= 2, compile-time), xq/sx as
+// x_to_il16_i16 gives them (rows K and K/32 apart), tab the 16 int8 values in both 128-bit lanes. Both 8-row halves
+// per pass: one 32-byte load, nibble split and table lookup per unit serve them, the activation pairs are broadcast
+// once for both.
 static inline __attribute__((always_inline)) void il16_block_avx2(const uint8_t* cb, const void* sb, const int kind,
-                                                                  const uint16_t* sup16, const __m128i tab,
+                                                                  const uint16_t* sup16, const __m256i tab,
                                                                   const int16_t* xq, const float* sx, const i64 M,
                                                                   i64 K, i64 gs, float* y, i64 ldy) {
     const i64 ss = scale_size(kind);
-    const __m128i m4 = _mm_set1_epi8(15);
-    for (int h = 0; h < 2; h++) {  // rows 0-7: the first 16 bytes of each unit, rows 8-15 the next
-        __m256 tot[4];
-        for (i64 m = 0; m < M; m++) tot[m] = _mm256_setzero_ps();
-        for (i64 c0 = 0; c0 < K / 4; c0 += 8) {  // one 32-element chunk
-            __m256i acc[4];
-            for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_si256();
-            for (i64 c = c0; c < c0 + 8; c++) {
-                const __m128i b = _mm_loadu_si128((const __m128i*)(cb + 32 * c + 16 * h));
-                const __m256i lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, _mm_and_si128(b, m4)));
-                const __m256i hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(b, 4), m4)));
-                for (i64 m = 0; m < M; m++) {
-                    int32_t p0, p1;
-                    memcpy(&p0, xq + m * K + 4 * c, 4);
-                    memcpy(&p1, xq + m * K + 4 * c + 2, 4);
-                    acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(p0)),
-                                                                       _mm256_madd_epi16(hi, _mm256_set1_epi32(p1))));
-                }
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 tot[2][2];
+    for (i64 m = 0; m < M; m++) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
+    for (i64 c0 = 0; c0 < K / 4; c0 += 8) {  // one 32-element chunk
+        __m256i acc[2][2];
+        for (i64 m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+        for (i64 c = c0; c < c0 + 8; c++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i*)(cb + 32 * c));
+            const __m256i vl = _mm256_shuffle_epi8(tab, _mm256_and_si256(b, m4));  // rows 0-7 | rows 8-15
+            const __m256i vh = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(b, 4), m4));
+            const __m256i l0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(vl));
+            const __m256i l1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(vl, 1));
+            const __m256i h0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(vh));
+            const __m256i h1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(vh, 1));
+            for (i64 m = 0; m < M; m++) {
+                int32_t p0, p1;
+                memcpy(&p0, xq + m * K + 4 * c, 4);
+                memcpy(&p1, xq + m * K + 4 * c + 2, 4);
+                const __m256i x0 = _mm256_set1_epi32(p0), x1 = _mm256_set1_epi32(p1);
+                acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_add_epi32(_mm256_madd_epi16(l0, x0),
+                                                                         _mm256_madd_epi16(h0, x1)));
+                acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_add_epi32(_mm256_madd_epi16(l1, x0),
+                                                                         _mm256_madd_epi16(h1, x1)));
             }
-            const __m256 d = il16_scales8((const char*)sb + ((4 * c0 / gs) * 16 + 8 * h) * ss, kind);
-            for (i64 m = 0; m < M; m++)
-                tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(d, _mm256_set1_ps(sx[m * (K / 32) + c0 / 8])),
-                                         tot[m]);
         }
+        const char* sg = (const char*)sb + (4 * c0 / gs) * 16 * ss;
+        const __m256 d0 = il16_scales8(sg, kind), d1 = il16_scales8(sg + 8 * ss, kind);
+        for (i64 m = 0; m < M; m++) {
+            const __m256 s = _mm256_set1_ps(sx[m * (K / 32) + c0 / 8]);
+            tot[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][0]), _mm256_mul_ps(d0, s), tot[m][0]);
+            tot[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), _mm256_mul_ps(d1, s), tot[m][1]);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
         const __m256 f = sup16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sup16 + 8 * h))), 16))
                                : _mm256_set1_ps(1.f);
-        for (i64 m = 0; m < M; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, _mm256_mul_ps(tot[m], f));
+        for (i64 m = 0; m < M; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, _mm256_mul_ps(tot[m][h], f));
     }
 }
 
-// The same for M (1..8) activation rows, 4 at a time.
+// The same for M (1..8) activation rows, 2 at a time (more would spill the 16 ymm registers).
 static inline void il16_block_avx2_m(const uint8_t* cb, const void* sb, int kind, const uint16_t* sup16,
-                                     const __m128i tab, const int16_t* xq, const float* sx, i64 M, i64 K, i64 gs,
+                                     const __m128i tab128, const int16_t* xq, const float* sx, i64 M, i64 K, i64 gs,
                                      float* y, i64 ldy) {
-    for (i64 m0 = 0; m0 < M; m0 += 4) {
+    const __m256i tab = _mm256_broadcastsi128_si256(tab128);
+    for (i64 m0 = 0; m0 < M; m0 += 2) {
         const int16_t* xr = xq + m0 * K;
         const float* sr = sx + m0 * (K / 32);
         float* yr = y + m0 * ldy;
-        switch (M - m0 < 4 ? M - m0 : 4) {
-            case 1: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 1, K, gs, yr, ldy); break;
-            case 2: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 2, K, gs, yr, ldy); break;
-            case 3: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 3, K, gs, yr, ldy); break;
-            default: il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 4, K, gs, yr, ldy); break;
-        }
+        if (M - m0 == 1) il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 1, K, gs, yr, ldy);
+        else il16_block_avx2(cb, sb, kind, sup16, tab, xr, sr, 2, K, gs, yr, ldy);
     }
 }
 #endif

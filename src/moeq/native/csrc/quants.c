@@ -1120,6 +1120,9 @@ int moeq_il16_dequant(const moeq_wstack* w, i64 e, void* out, int out_bf16) {
 #else
     const int nt = 1;
 #endif
+    int grid8 = 1;  // values -8..7 (the signed / vLLM grids): the RTN dequantizer, as the row-major path takes them
+    for (int i = 0; i < 16 && w->values; i++) grid8 &= w->values[i] == (float)(i - 8);
+    const float* values = w->values && !grid8 ? w->values : NULL;
     uint8_t* buf = (uint8_t*)malloc((size_t)(nt * per));
     if (!buf) return -1;
 #pragma omp parallel num_threads(nt)
@@ -1133,7 +1136,7 @@ int moeq_il16_dequant(const moeq_wstack* w, i64 e, void* out, int out_bf16) {
         for (i64 b = 0; b < NB; b++) {
             il16_unpack(w, e, b, mine, mine + 8 * K);
             void* o = (char*)out + 16 * b * K * (out_bf16 ? 2 : 4);
-            if (w->values)
+            if (values || w->scale_super)
                 cb4_dequant_rows(mine, mine + 8 * K, w->scale_bf16, il16_sup(w, e, b), w->values, 4, 0, 16, K, w->gs,
                                  o, out_bf16);
             else
