@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NEEDS = {"x86-64-v3": {"avx2", "fma", "bmi2", "f16c"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"},
-         "cooperlake": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}}
+         "cooperlake": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}, "x86-64": set()}
 
 
 def runs_here(march: str, tmp_path: Path) -> bool:
@@ -50,6 +50,21 @@ def test_avx2_build_passes_kernel_tests(tmp_path, march):
                         "tests/models/test_decode_forwards.py", "tests/models/test_attention.py"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+def test_plain_build_links_and_passes_kernel_tests(tmp_path):
+    """The baseline x86-64 build (no AVX2: what the plain-C paths serve) links with every symbol defined — the
+    SIMD-only helpers stay behind their guards — and its kernels match the references."""
+    if not runs_here("x86-64", tmp_path):
+        return
+    env = dict(os.environ, MOEQ_NATIVE_MARCH="x86-64", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    code = "from moeq import native; assert native.lib() is not None and native.lib().moeq_simd_level() == 0; print('plain')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "plain" in r.stdout, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        "tests/kernels/test_cpu_kernels.py"], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:]
 
 
 def test_bf16_build_without_vbmi_runs_the_3bit_rows(tmp_path):

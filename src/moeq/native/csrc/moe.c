@@ -330,6 +330,24 @@ static inline void avx2_rows(const moeq_wstack* w, const int16_t* xq, const floa
 }
 #endif
 
+#if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
+// One pass of the layer kernel below over an il16 stack, a parallel region of its own: y[a, 8, N] for every active
+// expert's rows. xb/xs: the activations as this build's il16 kernels take them (bf16 pairs; AVX2: int16 and chunk
+// scales), tab: the AVX2 build's int8 value table (unused on AVX512).
+static void il16_layer_pass(const moeq_wstack* w, const i64* act, const i64* start, i64 A, const uint16_t* xb,
+                            const float* xs, const void* tab, i64 K, i64 N, float* y) {
+#pragma omp parallel
+    {
+#if defined(MOEQ_IL16)
+        (void)xs, (void)tab;
+        il16_pass(w, act, start, A, xb, K, N, y);
+#else
+        il16_pass_avx2(w, act, start, A, (const int16_t*)xb, xs, ((const __m128i*)tab)[0], K, N, y);
+#endif
+    }
+}
+#endif
+
 // The same layer for 4-bit RTN experts with bf16 activations, parallel across experts: one parallel loop over the
 // rows of every active expert's w13 (SiLU-GLU applied after), one over every active expert's w2 — two fork/joins
 // per layer instead of two per expert, and the threads stream the experts' weights back to back.
@@ -356,8 +374,11 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
         moeq_moe_forward(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out, scratch);
         return;
     }
+    const void *tab13 = t13, *tab2 = t2;  // the il16 passes' value tables
 #else
     const i64 G1 = H / w13->gs, G2 = I / w2->gs, C1 = G1, C2 = G2;  // x's per-group sums
+    const void *tab13 = NULL, *tab2 = NULL;
+    (void)tab13, (void)tab2;
 #endif
     const int p13 = w13->gs % 64 == 0 || w13->lut, p2 = w2->gs % 64 == 0 || w2->lut;  // codebook: K % 64 == 0
     uint16_t* xb = (uint16_t*)scratch;                  // [A, 8, H] bf16 (AVX2: int16)
@@ -383,20 +404,16 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             if (w13->il16) x_to_il16_i16(x + pair_tok[p0 + r] * H, H, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
             else x_to_i16_32(x + pair_tok[p0 + r] * H, H, 1, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
 #else
+#if defined(MOEQ_IL16)
             if (w13->il16) x_to_il16(x + pair_tok[p0 + r] * H, H, xb + (a * 8 + r) * H);
-            else x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+            else
+#endif
+            x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
 #endif
     }
-#if defined(MOEQ_IL16)
-    if (w13->il16) {
-#pragma omp parallel
-        il16_pass(w13, act, expert_start, A, xb, H, I2, h);
-    } else
-#elif defined(MOEQ_IL16_AVX2)
-    if (w13->il16) {
-#pragma omp parallel
-        il16_pass_avx2(w13, act, expert_start, A, (const int16_t*)xb, xs, t13[0], H, I2, h);
-    } else
+#if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
+    if (w13->il16) il16_layer_pass(w13, act, expert_start, A, xb, xs, tab13, H, I2, h);
+    else
 #endif
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * I2; t++) {
@@ -427,21 +444,17 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             if (w2->il16) x_to_il16_i16(t, I, (int16_t*)dst, as + (a * 8 + r) * C2);
             else x_to_i16_32(t, I, 1, (int16_t*)dst, as + (a * 8 + r) * C2);
 #else
+#if defined(MOEQ_IL16)
             if (w2->il16) x_to_il16(t, I, dst);
-            else x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
+            else
+#endif
+            x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
 #endif
         }
     }
-#if defined(MOEQ_IL16)
-    if (w2->il16) {
-#pragma omp parallel
-        il16_pass(w2, act, expert_start, A, ab, I, H, y);
-    } else
-#elif defined(MOEQ_IL16_AVX2)
-    if (w2->il16) {
-#pragma omp parallel
-        il16_pass_avx2(w2, act, expert_start, A, (const int16_t*)ab, as, t2[0], I, H, y);
-    } else
+#if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
+    if (w2->il16) il16_layer_pass(w2, act, expert_start, A, ab, as, tab2, I, H, y);
+    else
 #endif
 #pragma omp parallel for schedule(static)
     for (i64 t = 0; t < A * H; t++) {

@@ -16,7 +16,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__BMI2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__BMI2__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
