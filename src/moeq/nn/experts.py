@@ -88,7 +88,7 @@ class QuantExperts(DecodeLayout, nn.Module):
         ``.to()``): ``triton`` on CUDA, ``native`` on CPU for SiLU-GLU experts without biases or input weighting
         (the fused decode kernels), else ``torch`` (dequantize + matmul per routed expert); then the layout
         (:meth:`choose_layout`)."""
-        dev = next(t for k, t in self._buffers.items() if k.startswith("w13_") and t is not None).device.type
+        dev = self.slot_device("w13").type
         plain = (self.b13 is None and self.activation.kind == "glu" and self.activation.act == "silu"
                  and not self.weight_on_input)
         self.kernel = "triton" if dev == "cuda" else "native" if dev == "cpu" and plain else "torch"

@@ -26,7 +26,7 @@ class QuantLinear(DecodeLayout, nn.Module):
         """Pick the forward for where the weight lives, once (at build and after ``.to()``): ``triton`` on CUDA,
         ``native`` on CPU (the one-call bf16 decode linear, then the registered gemv kernels), else ``torch``; then
         the layout (:meth:`~moeq.nn.packed.DecodeLayout.choose_layout`)."""
-        dev = next(t for k, t in self._buffers.items() if k.startswith("weight_") and t is not None).device.type
+        dev = self.slot_device("weight").type
         self.kernel = "triton" if dev == "cuda" else "native" if dev == "cpu" else "torch"
         self.choose_layout()
         return self.kernel

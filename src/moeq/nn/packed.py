@@ -118,6 +118,10 @@ class DecodeLayout:
         kernels' view; see :meth:`il16`)."""
         return get_packed(self, slot, raw)
 
+    def slot_device(self, slot: str) -> torch.device:
+        """Where the slot's tensors live (read from its buffers, without assembling the weight)."""
+        return next(t for k, t in self._buffers.items() if k.startswith(slot + "_") and t is not None).device
+
     def il16(self, slot: str) -> bool:
         """Whether the slot is held in the il16 decode layout (``moeq/native/csrc/il16_rows.h``)."""
         return is_il16(self, slot)
