@@ -110,7 +110,8 @@ def main() -> None:
         top_k = model.config.get_text_config().num_experts_per_tok
         bpt = bench.bytes_per_token(model, top_k)  # the weight bytes a batch-1 token reads
         other = model if theirs == ours else moeq.load(src, quant=quant_config(theirs), progress=False)
-        bpt_theirs = bench.bytes_per_token(other, top_k)  # the same GGUF weights when the pair is one method
+        # the same GGUF weights when the pair is one method; a bf16 head llama.cpp reads as bf16 (moeq: bf12)
+        bpt_theirs = bench.bytes_per_token(other, top_k, bf12_as_bf16=True)
         if not gguf.exists():
             tok = src
             if not (src / "tokenizer.json").exists():  # the bench model has random weights and no tokenizer: a

@@ -115,7 +115,9 @@ def main() -> None:
                                                                                       t5 - t4, t6 - t5)):
                     t[name] += dt
             t1 = time.perf_counter()
-            if m.head:
+            if m.head12:
+                L.moeq_bf12_gemv(m.head12, x.data_ptr(), B, logits.data_ptr())
+            elif m.head:
                 L.moeq_bf16_gemv(x.data_ptr(), B, m.head, m.V, H, logits.data_ptr())
             else:
                 L.moeq_quant_linear_bf16(ctypes.byref(m.hq), x.data_ptr(), B, None, logits.data_ptr(),

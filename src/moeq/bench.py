@@ -147,13 +147,18 @@ def model_bytes(model: nn.Module) -> tuple[int, int]:
     return total, layers
 
 
-def bytes_per_token(model: nn.Module, top_k: int) -> float:
+def bytes_per_token(model: nn.Module, top_k: int, bf12_as_bf16: bool = False) -> float:
     """Weight bytes a decoded token reads: every non-expert 2-D weight except the embedding table (one row), plus
-    top_k experts of each experts module (quantized or not)."""
+    top_k experts of each experts module (quantized or not). ``bf12_as_bf16``: a head moeq holds in bf12 counted at
+    its bf16 size (what an engine reading the same bf16 weights from a GGUF reads)."""
     from moeq.nn import QuantExperts  # noqa: PLC0415
+    from moeq.nn.bf12 import Bf12Linear  # noqa: PLC0415
 
     total = 0.0
     for name, mod in model.named_modules():
+        if isinstance(mod, Bf12Linear) and bf12_as_bf16:
+            total += mod.in_features * mod.out_features * 2
+            continue
         if isinstance(mod, QuantExperts):
             total += (mod.packed("w13", raw=True).nbytes + mod.packed("w2", raw=True).nbytes) * top_k / mod.num_experts
             continue

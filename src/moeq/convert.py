@@ -12,6 +12,7 @@ from moeq.config import FormatConfig, Keep, Policy, QuantConfig
 from moeq.formats import PackedWeight
 from moeq.formats.base import check_finite
 from moeq.nn import Activation, Llama4MoeAdapter, QuantExperts, QuantLinear
+from moeq.nn.bf12 import Bf12Linear
 from moeq.errors import MoeqError
 
 KINDS = ("gate", "up", "down")
@@ -244,7 +245,7 @@ def plan(model: nn.Module, arch: Arch, qcfg: QuantConfig) -> tuple[dict, dict]:
                 policy.format_for(name, disk, f"{name}.{slot}", f"{disk}.{slot}",
                                   *(x for k in kinds for x in (per_expert[k], per_expert[k] + ".weight")))
                 for slot, kinds in (("w13", ("gate", "up")), ("w2", ("down",))))
-        elif isinstance(mod, nn.Linear):
+        elif isinstance(mod, (nn.Linear, Bf12Linear)):
             fmt = policy.format_for(name, disk, f"{name}.weight", f"{disk}.weight")
             if fmt.name != "none":
                 linears[name] = fmt

@@ -11,6 +11,7 @@ from torch import nn
 import moeq
 from moeq import native
 from moeq.nn import decode
+from moeq.nn.bf12 import Bf12Linear
 
 pytestmark = pytest.mark.skipif(not native.has_simd(), reason="native decode forwards need AVX512-BF16 or AVX2")
 
@@ -41,7 +42,9 @@ def test_installed_forwards_match_the_modules_own(tiny_ckpt, arch, routers, laye
     assert any("gate" in n or "router" in n for n in names) == routers
     attn = [n for n in names if n.endswith("self_attn")]
     assert len(attn) == m.config.num_hidden_layers  # Llama-style attention: all of them (compared in generate below)
-    assert "lm_head" in names  # the bf16 head the default policy keeps: one native gemv at 1-4 rows
+    # the bf16 head the default policy keeps, untied: held in bf12 (12 bits per weight, the same weights), one native
+    # gemv at 1-4 rows; compared with F.linear on its unpacked weight in tests/kernels/test_bf12.py
+    assert isinstance(m.lm_head, Bf12Linear) and "lm_head" not in names
     g = torch.Generator().manual_seed(1)
     for name in names:
         if name in attn:

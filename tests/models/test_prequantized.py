@@ -91,7 +91,8 @@ def test_router_from_checkpoint_form():
     m = moeq.load(FIX / "olmoe-nf4-skipgate", progress=False)
     with safe_open(str(FIX / "olmoe-nf4-skipgate" / "model.safetensors"), "pt") as f:
         assert torch.equal(m.model.layers[1].mlp.gate.weight, f.get_tensor("model.layers.1.mlp.gate.weight"))
-    assert isinstance(m.lm_head, torch.nn.Linear)
+        assert not hasattr(m.lm_head, "qweight")  # kept (held in bf12 or not), exactly as stored
+        assert torch.equal(m.lm_head.weight, f.get_tensor("lm_head.weight"))
 
 
 def test_transformers5_bnb_checkpoint_alignment(tiny_ckpt, tmp_path):

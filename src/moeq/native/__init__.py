@@ -1,6 +1,6 @@
 """The native CPU library: C sources in ``csrc/`` (``moeq.h`` shared types and prototypes; ``quants.c``,
-``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c`` split by concern), compiled on
-first use with the system C compiler into one shared library in a per-user cache, and called through ctypes.
+``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c``, ``bf12.c`` split by concern),
+compiled on first use with the system C compiler into one shared library in a per-user cache, and called through ctypes.
 
 This is moeq's bottom layer for native code: it imports only torch and :mod:`moeq.errors`, so formats, kernels and
 modules all sit above it. Every export's return and argument types are declared once, in :data:`ABI`; callers pass
@@ -32,7 +32,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c", "bf12.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h", "il16_rows.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -76,18 +76,27 @@ class Layer(ctypes.Structure):
                 ("o", WStack), ("w13", WStack), ("w2", WStack)]
 
 
+class Bf12(ctypes.Structure):
+    """``moeq_bf12``: a bf16 weight held losslessly in 12 bits per weight (:mod:`moeq.formats.bf12`)."""
+    _fields_ = [("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("base", ctypes.c_void_p),
+                ("xptr", ctypes.c_void_p), ("xcol", ctypes.c_void_p), ("xval", ctypes.c_void_p),
+                ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
 class Model(ctypes.Structure):
     """``moeq_model``: a whole MoE model described for ``moeq_decode_step``."""
     _fields_ = [("layers", ctypes.POINTER(Layer)), ("L", ctypes.c_int64), ("H", ctypes.c_int64),
                 ("vocab", ctypes.c_int64), ("V", ctypes.c_int64), ("P", ctypes.c_int64), ("B", ctypes.c_int64),
                 ("Sc", ctypes.c_int64), ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("eps", ctypes.c_float),
                 ("head", ctypes.c_void_p), ("hq", WStack), ("head_scratch", ctypes.c_void_p),
+                ("head12", ctypes.POINTER(Bf12)),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kc", ctypes.POINTER(ctypes.c_void_p)),
                 ("vc", ctypes.POINTER(ctypes.c_void_p))]
 
 
 _P, _I, _INT, _F, _WS = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.POINTER(WStack)
 _LAYER = ctypes.POINTER(Layer)
+_B12 = ctypes.POINTER(Bf12)
 # name: (return type, argument types) -- exactly the prototypes in csrc/moeq.h
 ABI: dict[str, tuple[type | None, list]] = {
     # quants.c
@@ -139,6 +148,11 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_layer_pre": (None, [_LAYER, _P, _I, _P, _P, _P, _P, _P]),
     "moeq_layer_attn": (_INT, [_LAYER, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P]),
     "moeq_layer_moe": (_INT, [_LAYER, _P, _P, _I, _P, _P, _P, _P]),
+    # bf12.c
+    "moeq_bf12_pack": (None, [_P, _I, _I, _P, _P, _P, _P]),
+    "moeq_bf12_exceptions": (None, [_P, _I, _I, _P, _P, _P, _P]),
+    "moeq_bf12_unpack": (None, [_B12, _I, _I, _P]),
+    "moeq_bf12_gemv": (_INT, [_B12, _P, _I, _P]),
     # model.c
     "moeq_decode_step": (_I, [ctypes.POINTER(Model), _I, _P, _P, _I, _P, _I, _P, _P, _P, _P]),
     "moeq_argmax_bf16": (None, [_P, _I, _I, _P, _I, _P]),

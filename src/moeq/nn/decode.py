@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq import native
 from moeq.errors import MoeqError
-from moeq.nn import attention
+from moeq.nn import attention, bf12
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 64
@@ -121,7 +121,26 @@ class _Head:
         return type(mod).forward(mod, x)
 
 
+def _head_close(got: torch.Tensor | None, ref: torch.Tensor) -> bool:
+    """One bf16 rounding of each output, plus summation-order noise on outputs that cancel to near zero."""
+    if got is None or got.shape != ref.shape:
+        return False
+    g, r = got.float(), ref.float()
+    tol = 2.0 ** -7 * torch.maximum(g.abs(), r.abs()) + 2.0 ** -12 * r.abs().amax(-1, keepdim=True)
+    return bool(((g - r).abs() <= tol).all())
+
+
+def _untied(model: nn.Module, head: nn.Linear) -> bool:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return (not getattr(cfg, "tie_word_embeddings", False)
+            and getattr(getattr(emb, "weight", None), "data_ptr", lambda: None)() != head.weight.data_ptr())
+
+
 def _try_head(model: nn.Module) -> bool:
+    """The bf16 head's native forward: held in bf12 (:class:`~moeq.nn.bf12.Bf12Linear`, 3/4 of the bytes, the same
+    weights) when it is untied from the embeddings and ``K % 128 == 0``, else the bf16 gemv on its own weight."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (type(head) is not nn.Linear or head.bias is not None or "forward" in head.__dict__
             or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu"
@@ -129,11 +148,14 @@ def _try_head(model: nn.Module) -> bool:
         return False
     x = _probe(head.in_features, rows=HEAD_MAX_ROWS)
     with torch.no_grad():
-        got, ref = bf16_linear(x, head.weight), nn.functional.linear(x, head.weight)
-    # one bf16 rounding of each output, plus summation-order noise on outputs that cancel to near zero
-    if got is None or got.shape != ref.shape or not bool(((got.float() - ref.float()).abs() <= 2.0 ** -7 * torch.maximum(
-            got.float().abs(), ref.float().abs()) + 2.0 ** -12 * ref.float().abs().amax(-1, keepdim=True)).all()):
-        return False
+        ref = nn.functional.linear(x, head.weight)
+        if head.in_features % bf12.UNIT == 0 and _untied(model, head) and hasattr(model, "set_output_embeddings"):
+            packed = bf12.Bf12Linear.from_linear(head)  # kept unless outliers make its exceptions a fair share
+            if packed.nbytes() <= 0.8 * head.weight.numel() * 2 and _head_close(packed(x), ref):
+                model.set_output_embeddings(packed)
+                return True
+        if not _head_close(bf16_linear(x, head.weight), ref):
+            return False
     head.forward = types.MethodType(_Head.forward, head)
     return True
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq import native
 from moeq.errors import MoeqError
-from moeq.nn import decode
+from moeq.nn import bf12, decode
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 4  # the native bf16 head's rows (decode.HEAD_MAX_ROWS); quantized heads allow what their plan allows
@@ -64,10 +64,13 @@ class Engine:
         self._tables = (0, None, None)
 
     def _head(self, batch: int):
-        """(bf16 weight, None) or (None, (plan, scratch)) for the head at ``batch`` rows; None when unsupported."""
+        """(bf16 weight, None) or (None, (plan, scratch)) or (native.Bf12, None) for the head at ``batch`` rows; None
+        when unsupported."""
         from moeq.kernels import cpu_ops  # noqa: PLC0415
 
         head = self.head
+        if isinstance(head, bf12.Bf12Linear):
+            return (head.describe(), None) if batch <= bf12.MAX_ROWS else None
         if getattr(head.__dict__.get("forward"), "__func__", None) is decode._Head.forward:
             ok = head.bias is None and batch <= decode.HEAD_MAX_ROWS and head.in_features % 32 == 0
             return (head.weight, None) if ok else None
@@ -106,8 +109,10 @@ class Engine:
         m = native.Model(layers=cfgs, L=len(plans), H=c0.H, vocab=self.emb.weight.shape[0],
                          V=self.head.out_features, P=cos.shape[0], B=batch, Sc=capacity,
                          embed=self.emb.weight.data_ptr(), norm=self.norm.weight.data_ptr(), eps=self.norm._moeq_eps,
-                         head=None if weight is None else weight.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-                         kc=kc, vc=vc)
+                         head=weight.data_ptr() if isinstance(weight, torch.Tensor) else None,
+                         cos=cos.data_ptr(), sin=sin.data_ptr(), kc=kc, vc=vc)
+        if isinstance(weight, native.Bf12):
+            m.head12 = ctypes.pointer(weight)
         if qhead is not None:
             m.hq, m.head_scratch = qhead[0][0], qhead[1].data_ptr()
         keep = (plans, cfgs, kc, vc, cos, sin, head)

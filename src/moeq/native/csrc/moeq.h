@@ -334,18 +334,35 @@ void moeq_qlinear_bf16(const moeq_wstack* w, const uint16_t* x, i64 B, const uin
 int moeq_layer_attn_cached(const moeq_layer* L, const uint16_t* x, i64 B, const uint16_t* q, const uint16_t* keys,
                            const uint16_t* vals, i64 S, i64 Sc, const float* mask, uint16_t* r1, uint16_t* n2,
                            uint16_t* logits);
+// A bf16 weight [N, K] held losslessly in 12 bits per weight (bf12.c has the layout): kept bf16 heads.
+typedef struct {
+    const uint8_t* lo;              // [N, K] each weight's low byte, per 128 columns in bf12_pos order
+    const uint8_t* hi;              // [N, K/2] nibbles: sign << 3 | exponent code
+    const uint8_t* base;            // [N] per row: code c (1..7) means hi byte & 0x7f == base + c
+    const int32_t* xptr;            // [N + 1] row n's exceptions: xptr[n] .. xptr[n+1]-1
+    const int32_t* xcol;            // exceptions' columns
+    const uint16_t* xval;           // exceptions' exact bf16 values
+    i64 N, K;
+} moeq_bf12;
+// ---- exports (bf12.c) ----
+void moeq_bf12_pack(const uint16_t* w, i64 N, i64 K, uint8_t* lo, uint8_t* hi, uint8_t* base, int32_t* nexc);
+void moeq_bf12_exceptions(const uint16_t* w, i64 N, i64 K, const uint8_t* base, const int32_t* xptr, int32_t* xcol,
+                          uint16_t* xval);
+void moeq_bf12_unpack(const moeq_bf12* w, i64 n0, i64 n1, uint16_t* out);
+int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y);
 // A whole MoE model for moeq_decode_step (model.c), mirrored by moeq.native.Model: its layers, bf16 token embedding,
-// final RMSNorm, output head (bf16, or a quantized weight with its moeq_quant_linear_bf16 scratch), RoPE tables of
-// P positions, and static KV caches of B sequences x Sc positions per layer.
+// final RMSNorm, output head (bf16, bf12, or a quantized weight with its moeq_quant_linear_bf16 scratch), RoPE
+// tables of P positions, and static KV caches of B sequences x Sc positions per layer.
 typedef struct {
     const moeq_layer* layers;
     i64 L, H, vocab, V, P, B, Sc;
     const uint16_t* embed;          // [vocab, H]
     const uint16_t* norm;           // [H]
     float eps;
-    const uint16_t* head;           // [V, H] bf16, or NULL: hq
+    const uint16_t* head;           // [V, H] bf16, or NULL: head12 or hq
     moeq_wstack hq;
     float* head_scratch;
+    const moeq_bf12* head12;        // the bf16 head in 12 bits, or NULL
     const uint16_t* cos;            // [P, D] bf16, as the model's rotary embedding gives them
     const uint16_t* sin;
     uint16_t* const* kc;            // L pointers to [B, Hkv, Sc, D] bf16

@@ -1,0 +1,251 @@
+// bf12: a bf16 weight held losslessly in 12 bits per weight, for the kept bf16 linears that dominate a decode step's
+// bytes (a 151936 x 2048 lm_head is 622 MB of a Qwen3-30B-A3B-shaped token's ~750). Every weight comes back bit for
+// bit, so a gemv computes the same products as on the bf16 weight (fp32 sums, in another order), from 3/4 of the bytes.
+//
+// A bf16 value is two bytes: hi = sign << 7 | exponent >> 1, lo = (exponent & 1) << 7 | mantissa. lo is kept as is.
+// Of hi, a row's weights use few values: per row, base = max(0, max(hi & 0x7f) - 7), and a weight whose
+// e = hi & 0x7f lies in base+1 .. base+7 keeps the nibble sign << 3 | (e - base) (with base == 0, e 0..7 directly);
+// nibble code 0 means hi = sign << 7 (zeros; with base == 0 also e == 0). Any other weight (|w| below the row's max
+// by more than ~2^13, and subnormals: 0.03% of a trained or random head) is stored as a signed zero (lo 0) and listed
+// as an exception (row-sorted column and exact bf16 value), added in fp32 after the row's sum. NaN/Inf rows keep
+// e = 127 in the window. So per row a 16-entry byte table gives hi from the nibble: one vpshufb per 64 weights.
+//
+// Layout, rows of K (K % 128 == 0), per row and per 128-column unit: lo [N, K]: 2 halves of 64 bytes, each half's
+// byte p holds column bf12_pos; hi [N, K/2]: 64 bytes per unit, byte p's low nibble is half 0's byte p, its high
+// nibble half 1's. bf12_pos is what one vpunpcklbw / vpunpckhbw of a half's lo and hi bytes puts in natural column
+// order (per 128-bit lane, low 8 bytes then high 8): 32 bf16 words for columns 0..31 of the half, then 32..63 — so
+// activations stay in natural order on AVX512 and, per 16 words, on AVX2. base uint8 [N]; xptr int32 [N+1] (row n's
+// exceptions are xptr[n] .. xptr[n+1]-1), xcol int32, xval bf16.
+#include "moeq.h"
+#include "rows_avx2.h"
+
+static inline int bf12_pos(int c) {  // c in 0..127 -> byte offset in the unit's lo bytes
+    const int d = c & 63;
+    return (c & 64) + (d < 32 ? (d >> 3) * 16 + (d & 7) : ((d - 32) >> 3) * 16 + 8 + (d & 7));
+}
+
+static inline int bf12_base(const uint16_t* r, i64 K) {
+    int mx = 0;
+    for (i64 k = 0; k < K; k++) {
+        const int e = (r[k] >> 8) & 0x7f;
+        mx = e > mx ? e : mx;
+    }
+    return mx > 7 ? mx - 7 : 0;
+}
+
+static inline int bf12_exception(uint16_t v, int b) {  // stored as a signed zero and listed
+    return b && ((v >> 8) & 0x7f) <= b && (v & 0x7fff);
+}
+
+// Pass 1 of packing w [N, K] bf16 (K % 128 == 0): lo, hi, base, and each row's exception count in nexc [N].
+void moeq_bf12_pack(const uint16_t* w, i64 N, i64 K, uint8_t* lo, uint8_t* hi, uint8_t* base, int32_t* nexc) {
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const uint16_t* r = w + n * K;
+        const int b = bf12_base(r, K);
+        uint8_t* L = lo + n * K;
+        uint8_t* Hn = hi + n * (K / 2);
+        int32_t cnt = 0;
+        memset(Hn, 0, (size_t)(K / 2));
+        for (i64 u = 0; u < K; u += 128)
+            for (int c = 0; c < 128; c++) {
+                const uint16_t v = r[u + c];
+                const int e = (v >> 8) & 0x7f, p = bf12_pos(c);
+                int code = 0;
+                uint8_t l = 0;
+                if (bf12_exception(v, b)) {
+                    cnt++;
+                } else if (e > b || !b) {
+                    code = e - b;
+                    l = (uint8_t)(v & 0xff);
+                }
+                L[u + p] = l;
+                Hn[u / 2 + (p & 63)] |= (uint8_t)((((v >> 15) << 3) | code) << ((p >> 6) * 4));
+            }
+        base[n] = (uint8_t)b;
+        nexc[n] = cnt;
+    }
+}
+
+// Pass 2: the exceptions of each row, in column order, at xptr[n] (the prefix sums of pass 1's counts).
+void moeq_bf12_exceptions(const uint16_t* w, i64 N, i64 K, const uint8_t* base, const int32_t* xptr, int32_t* xcol,
+                          uint16_t* xval) {
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        i64 i = xptr[n];
+        for (i64 k = 0; k < K; k++)
+            if (bf12_exception(w[n * K + k], base[n])) {
+                xcol[i] = (int32_t)k;
+                xval[i++] = w[n * K + k];
+            }
+    }
+}
+
+#if defined(__AVX512BW__) || defined(__AVX2__)
+static const int8_t BF12_TAB[16] = {0, 1, 2, 3, 4, 5, 6, 7, -128, -127, -126, -125, -124, -123, -122, -121};
+#endif
+
+#if defined(__AVX512BW__)
+static inline __m512i bf12_table512(int b) {  // nibble -> hi byte, in each 128-bit lane
+    const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)BF12_TAB));
+    return _mm512_mask_add_epi8(t, (__mmask64)0xFEFEFEFEFEFEFEFEull, t, _mm512_set1_epi8((char)b));
+}
+
+// One 128-column unit -> w[0..3]: bf16 words of columns 0-31, 32-63, 64-95, 96-127.
+static inline __attribute__((always_inline)) void bf12_unit512(const uint8_t* L, const uint8_t* Hn, __m512i T,
+                                                               __m512i* w) {
+    const __m512i m4 = _mm512_set1_epi8(15), nb = _mm512_loadu_si512(Hn);
+    const __m512i ha = _mm512_shuffle_epi8(T, _mm512_and_si512(nb, m4));
+    const __m512i hb = _mm512_shuffle_epi8(T, _mm512_and_si512(_mm512_srli_epi16(nb, 4), m4));
+    const __m512i la = _mm512_loadu_si512(L), lb = _mm512_loadu_si512(L + 64);
+    w[0] = _mm512_unpacklo_epi8(la, ha);
+    w[1] = _mm512_unpackhi_epi8(la, ha);
+    w[2] = _mm512_unpacklo_epi8(lb, hb);
+    w[3] = _mm512_unpackhi_epi8(lb, hb);
+}
+#endif
+
+#if defined(__AVX2__)
+// One 64-column half (lo bytes L, its nibbles Hn: 64 bytes, low or high nibbles by shift) -> w[0..3]: bf16 words of
+// columns 0-15, 16-31, 32-47, 48-63.
+static inline __attribute__((always_inline)) void bf12_half256(const uint8_t* L, const uint8_t* Hn, int shift,
+                                                               __m256i T, __m256i* w) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i n0 = _mm256_loadu_si256((const __m256i*)Hn), n1 = _mm256_loadu_si256((const __m256i*)(Hn + 32));
+    const __m256i h0 = _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(n0, shift), m4));
+    const __m256i h1 = _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(n1, shift), m4));
+    const __m256i l0 = _mm256_loadu_si256((const __m256i*)L), l1 = _mm256_loadu_si256((const __m256i*)(L + 32));
+    w[0] = _mm256_unpacklo_epi8(l0, h0);
+    w[1] = _mm256_unpacklo_epi8(l1, h1);
+    w[2] = _mm256_unpackhi_epi8(l0, h0);
+    w[3] = _mm256_unpackhi_epi8(l1, h1);
+}
+
+static inline __m256i bf12_table256(int b) {  // entries 0 and 8 of each lane (the zeros) get no base
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)BF12_TAB));
+    return _mm256_add_epi8(t, _mm256_and_si256(_mm256_set1_epi8((char)b),
+                                               _mm256_set1_epi64x((long long)0xFFFFFFFFFFFFFF00ull)));
+}
+#endif
+
+// Rows n0 .. n1-1 back to bf16, exactly: out [(n1 - n0), K].
+void moeq_bf12_unpack(const moeq_bf12* w, i64 n0, i64 n1, uint16_t* out) {
+    const i64 K = w->K;
+#pragma omp parallel for schedule(static) if ((n1 - n0) * K >= (1 << 18))
+    for (i64 n = n0; n < n1; n++) {
+        const uint8_t* L = w->lo + n * K;
+        const uint8_t* Hn = w->hi + n * (K / 2);
+        uint16_t* o = out + (n - n0) * K;
+        const int b = w->base[n];
+#if defined(__AVX512BW__)
+        const __m512i T = bf12_table512(b);
+        for (i64 u = 0; u < K; u += 128) {
+            __m512i v[4];
+            bf12_unit512(L + u, Hn + u / 2, T, v);
+            for (int j = 0; j < 4; j++) _mm512_storeu_si512(o + u + 32 * j, v[j]);
+        }
+#elif defined(__AVX2__)
+        const __m256i T = bf12_table256(b);
+        for (i64 u = 0; u < K; u += 128)
+            for (int h = 0; h < 2; h++) {
+                __m256i v[4];
+                bf12_half256(L + u + 64 * h, Hn + u / 2, 4 * h, T, v);
+                for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i*)(o + u + 64 * h + 16 * j), v[j]);
+            }
+#else
+        for (i64 u = 0; u < K; u += 128)
+            for (int c = 0; c < 128; c++) {
+                const int p = bf12_pos(c);
+                const int nib = (Hn[u / 2 + (p & 63)] >> ((p >> 6) * 4)) & 15, code = nib & 7;
+                o[u + c] = (uint16_t)((((nib >> 3) << 7 | (code ? b + code : 0)) << 8) | L[u + p]);
+            }
+#endif
+        for (i64 i = w->xptr[n]; i < w->xptr[n + 1]; i++) o[w->xcol[i]] = w->xval[i];
+    }
+}
+
+static inline float bf12_exceptions_dot(const moeq_bf12* w, i64 n, const uint16_t* x) {
+    float s = 0.f;
+    for (i64 i = w->xptr[n]; i < w->xptr[n + 1]; i++) s = fmaf(bf2f(w->xval[i]), bf2f(x[w->xcol[i]]), s);
+    return s;
+}
+
+#if defined(__AVX512BF16__)
+// One row against M (1..4) x rows: each unit unpacked once, two accumulators per x row.
+static inline __attribute__((always_inline)) void bf12_row512(const moeq_bf12* w, i64 n, const uint16_t* x,
+                                                              const i64 M, float* out) {
+    const i64 K = w->K;
+    const uint8_t* L = w->lo + n * K;
+    const uint8_t* Hn = w->hi + n * (K / 2);
+    const __m512i T = bf12_table512(w->base[n]);
+    __m512 a[4], c[4];
+    for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm512_setzero_ps();
+    for (i64 u = 0; u < K; u += 128) {
+        __m512i v[4];
+        bf12_unit512(L + u, Hn + u / 2, T, v);
+        for (i64 m = 0; m < M; m++) {
+            const uint16_t* xm = x + m * K + u;
+            a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)v[0], (__m512bh)_mm512_loadu_si512(xm));
+            c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)v[1], (__m512bh)_mm512_loadu_si512(xm + 32));
+            a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)v[2], (__m512bh)_mm512_loadu_si512(xm + 64));
+            c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)v[3], (__m512bh)_mm512_loadu_si512(xm + 96));
+        }
+    }
+    for (i64 m = 0; m < M; m++)
+        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], c[m])) + bf12_exceptions_dot(w, n, x + m * K);
+}
+#define BF12_ROWS(w, n, x, M, o) bf12_row512(w, n, x, M, o)
+#elif defined(MOEQ_AVX2)
+// AVX2: a 32-bit lane of bf16 words is the even one shifted left 16 and the odd one masked, for weights and x alike.
+static inline __attribute__((always_inline)) void bf12_row256(const moeq_bf12* w, i64 n, const uint16_t* x,
+                                                              const i64 M, float* out) {
+    const i64 K = w->K;
+    const uint8_t* L = w->lo + n * K;
+    const uint8_t* Hn = w->hi + n * (K / 2);
+    const __m256i T = bf12_table256(w->base[n]), hm = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 a[4], c[4];
+    for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm256_setzero_ps();
+    for (i64 u = 0; u < K; u += 64) {
+        __m256i v[4];
+        bf12_half256(L + u, Hn + (u / 128) * 64, (int)((u / 64) & 1) * 4, T, v);
+        for (int j = 0; j < 4; j++) {
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v[j], 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v[j], hm));
+            for (i64 m = 0; m < M; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + m * K + u + 16 * j));
+                a[m] = _mm256_fmadd_ps(we, _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), a[m]);
+                c[m] = _mm256_fmadd_ps(wo, _mm256_castsi256_ps(_mm256_and_si256(xv, hm)), c[m]);
+            }
+        }
+    }
+    for (i64 m = 0; m < M; m++) out[m] = hsum8(_mm256_add_ps(a[m], c[m])) + bf12_exceptions_dot(w, n, x + m * K);
+}
+#define BF12_ROWS(w, n, x, M, o) bf12_row256(w, n, x, M, o)
+#endif
+
+// y[M, N] = bf16(x[M, K] @ W^T), x bf16; fp32 sums rounded once. Returns 0 (nothing written) without a SIMD kernel
+// (AVX512-BF16, or AVX2 + FMA) or for K % 128.
+int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
+#if defined(BF12_ROWS)
+    const i64 N = w->N, K = w->K;
+    if (K % 128 || M < 1) return 0;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+    for (i64 n = 0; n < N; n++)
+        for (i64 m0 = 0; m0 < M; m0 += 4) {
+            const i64 mc = M - m0 < 4 ? M - m0 : 4;
+            const uint16_t* xm = x + m0 * K;
+            float o[4];
+            switch (mc) {
+                case 1: BF12_ROWS(w, n, xm, 1, o); break;
+                case 2: BF12_ROWS(w, n, xm, 2, o); break;
+                case 3: BF12_ROWS(w, n, xm, 3, o); break;
+                default: BF12_ROWS(w, n, xm, 4, o); break;
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = f2bf(o[m]);
+        }
+    return 1;
+#else
+    (void)w; (void)x; (void)M; (void)y;
+    return 0;
+#endif
+}

@@ -1,0 +1,108 @@
+"""A bias-free bf16 ``nn.Linear`` held losslessly in 12 bits per weight (:mod:`moeq.formats.bf12`): the lm_head a
+4-bit preset keeps in bf16 is ~80% of a Qwen3-30B-A3B-shaped decode step's bytes; held this way it is 3/4 of them,
+and the native gemv unpacks it in registers to the exact bf16 weights (fp32 sums, rounded once, as
+:func:`moeq.nn.decode.bf16_linear`).
+
+Its ``state_dict`` holds ``weight`` (bf16, unpacked bit for bit) and ``load_state_dict`` takes one, so saving,
+exporting and reloading see a plain linear. Forwards of up to :data:`MAX_ROWS` CPU bf16 rows are one native call;
+others (a prompt's every position, other dtypes or devices) unpack the weight a block of rows at a time.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeq import native
+from moeq.formats import bf12
+
+UNIT = bf12.UNIT  # K must be a multiple
+MAX_ROWS = 4  # as the bf16 head's gemv (decode.HEAD_MAX_ROWS): past it a GEMM on unpacked blocks wins
+BLOCK_ROWS = 16384  # output rows unpacked at a time for many-row forwards (64 MB at K 2048)
+_FIELDS = bf12.Bf12._fields
+
+
+class Bf12Linear(nn.Module):
+    def __init__(self, packed: bf12.Bf12):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape
+        self.register_parameter("bias", None)
+        self._set(packed)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Bf12Linear:
+        if linear.bias is not None:
+            raise ValueError("Bf12Linear holds bias-free linears")
+        return cls(bf12.pack(linear.weight.detach()))
+
+    def _set(self, p: bf12.Bf12) -> None:
+        for name, t in zip(_FIELDS, p):  # xval as int16 bits: a model.to(dtype) leaves them alone
+            self.register_buffer(name, t.view(torch.int16) if name == "xval" else t, persistent=False)
+
+    @property
+    def packed(self) -> bf12.Bf12:
+        return bf12.Bf12(*(self.xval.view(torch.bfloat16) if n == "xval" else getattr(self, n) for n in _FIELDS))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The bf16 weight, unpacked: a new tensor at each access (writing to it changes nothing; load_state_dict
+        does), for code that reads ``.weight`` as it would an ``nn.Linear``'s."""
+        return self.unpack()
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes()
+
+    def describe(self) -> native.Bf12:
+        """The native struct (keep this module alive while it is used)."""
+        return self.packed.describe()
+
+    def unpack(self, rows: slice | None = None) -> torch.Tensor:
+        """The bf16 weight (or ``rows`` of it), exactly."""
+        p = self.packed
+        if p.lo.device.type != "cpu":
+            return bf12.unpack_reference(p)[rows or slice(None)]
+        return bf12.unpack(p, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        if (0 < rows <= MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and self.lo.device.type == "cpu" and native.has_simd()):
+            xc = x.contiguous()
+            y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
+            if native.lib().moeq_bf12_gemv(self.describe(), xc.data_ptr(), rows, y.data_ptr()):
+                return y
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        for n0 in range(0, self.out_features, BLOCK_ROWS):
+            w = self.unpack(slice(n0, n0 + BLOCK_ROWS)).to(device=x.device, dtype=x.dtype)
+            y[..., n0:n0 + w.shape[0]] = nn.functional.linear(x, w)
+        return y
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.unpack()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        w = state_dict[key]
+        shape = (self.out_features, self.in_features)
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape or w.dtype != torch.bfloat16:
+            error_msgs.append(f"{key}: expected a bf16 tensor of shape {shape}, got "
+                              f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+            return
+        self._set(bf12.pack(w.detach().to("cpu")))
+        for name in state_dict:
+            if name.startswith(prefix) and name != key and "." not in name[len(prefix):]:
+                unexpected_keys.append(name)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias=False, layout=bf12, "
+                f"exceptions={int(self.xptr[-1])}")
+
+
+def to_linear(mod: Bf12Linear) -> nn.Linear:
+    """The plain bf16 ``nn.Linear`` back (the A/B switch for benchmarks, or for code that needs ``.weight``)."""
+    lin = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
+    lin.weight = nn.Parameter(mod.unpack(), requires_grad=False)
+    return lin
