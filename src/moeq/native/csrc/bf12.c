@@ -106,19 +106,23 @@ static inline __attribute__((always_inline)) void bf12_unit512(const uint8_t* L,
 #endif
 
 #if defined(__AVX2__)
-// One 64-column half (lo bytes L, its nibbles Hn: 64 bytes, low or high nibbles by shift) -> w[0..3]: bf16 words of
-// columns 0-15, 16-31, 32-47, 48-63.
-static inline __attribute__((always_inline)) void bf12_half256(const uint8_t* L, const uint8_t* Hn, int shift,
-                                                               __m256i T, __m256i* w) {
+// One 128-column unit -> w[0..7]: bf16 words of columns 16j .. 16j+15 (the halves' low nibbles, then high).
+static inline __attribute__((always_inline)) void bf12_unit256(const uint8_t* L, const uint8_t* Hn, __m256i T,
+                                                               __m256i* w) {
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i n0 = _mm256_loadu_si256((const __m256i*)Hn), n1 = _mm256_loadu_si256((const __m256i*)(Hn + 32));
-    const __m256i h0 = _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(n0, shift), m4));
-    const __m256i h1 = _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(n1, shift), m4));
-    const __m256i l0 = _mm256_loadu_si256((const __m256i*)L), l1 = _mm256_loadu_si256((const __m256i*)(L + 32));
-    w[0] = _mm256_unpacklo_epi8(l0, h0);
-    w[1] = _mm256_unpacklo_epi8(l1, h1);
-    w[2] = _mm256_unpackhi_epi8(l0, h0);
-    w[3] = _mm256_unpackhi_epi8(l1, h1);
+    const __m256i h[4] = {_mm256_shuffle_epi8(T, _mm256_and_si256(n0, m4)),
+                          _mm256_shuffle_epi8(T, _mm256_and_si256(n1, m4)),
+                          _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(n0, 4), m4)),
+                          _mm256_shuffle_epi8(T, _mm256_and_si256(_mm256_srli_epi16(n1, 4), m4))};
+    for (int half = 0; half < 2; half++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(L + 64 * half));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(L + 64 * half + 32));
+        w[4 * half + 0] = _mm256_unpacklo_epi8(l0, h[2 * half]);
+        w[4 * half + 1] = _mm256_unpacklo_epi8(l1, h[2 * half + 1]);
+        w[4 * half + 2] = _mm256_unpackhi_epi8(l0, h[2 * half]);
+        w[4 * half + 3] = _mm256_unpackhi_epi8(l1, h[2 * half + 1]);
+    }
 }
 
 static inline __m256i bf12_table256(int b) {  // entries 0 and 8 of each lane (the zeros) get no base
@@ -146,12 +150,11 @@ void moeq_bf12_unpack(const moeq_bf12* w, i64 n0, i64 n1, uint16_t* out) {
         }
 #elif defined(__AVX2__)
         const __m256i T = bf12_table256(b);
-        for (i64 u = 0; u < K; u += 128)
-            for (int h = 0; h < 2; h++) {
-                __m256i v[4];
-                bf12_half256(L + u + 64 * h, Hn + u / 2, 4 * h, T, v);
-                for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i*)(o + u + 64 * h + 16 * j), v[j]);
-            }
+        for (i64 u = 0; u < K; u += 128) {
+            __m256i v[8];
+            bf12_unit256(L + u, Hn + u / 2, T, v);
+            for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i*)(o + u + 16 * j), v[j]);
+        }
 #else
         for (i64 u = 0; u < K; u += 128)
             for (int c = 0; c < 128; c++) {
@@ -196,19 +199,44 @@ static inline __attribute__((always_inline)) void bf12_row512(const moeq_bf12* w
 }
 #define BF12_ROWS(w, n, x, M, o) bf12_row512(w, n, x, M, o)
 #elif defined(MOEQ_AVX2)
-// AVX2: a 32-bit lane of bf16 words is the even one shifted left 16 and the odd one masked, for weights and x alike.
-static inline __attribute__((always_inline)) void bf12_row256(const moeq_bf12* w, i64 n, const uint16_t* x,
-                                                              const i64 M, float* out) {
+// AVX2: a 32-bit lane of bf16 words is the even one shifted left 16 and the odd one masked, for weights and x alike;
+// one x row comes split to fp32 (xs: x_split16_bf16's order), as the bf16 head's one-row kernel takes it.
+static inline float bf12_row256_1(const moeq_bf12* w, i64 n, const uint16_t* x, const float* xs) {
     const i64 K = w->K;
+    const uint8_t* L = w->lo + n * K;
+    const uint8_t* Hn = w->hi + n * (K / 2);
+    const __m256i T = bf12_table256(w->base[n]), hm = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
+    for (i64 u = 0; u < K; u += 128) {
+        __m256i v[8];
+        bf12_unit256(L + u, Hn + u / 2, T, v);
+        for (int j = 0; j < 8; j += 2) {
+            const float* xj = xs + u + 16 * j;
+            a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v[j], 16)), _mm256_loadu_ps(xj), a0);
+            c0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v[j], hm)), _mm256_loadu_ps(xj + 8), c0);
+            a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v[j + 1], 16)), _mm256_loadu_ps(xj + 16), a1);
+            c1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v[j + 1], hm)), _mm256_loadu_ps(xj + 24), c1);
+        }
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(c0, c1))) + bf12_exceptions_dot(w, n, x);
+}
+
+static inline __attribute__((always_inline)) void bf12_row256(const moeq_bf12* w, i64 n, const uint16_t* x,
+                                                              const float* xs, const i64 M, float* out) {
+    const i64 K = w->K;
+    if (xs) {
+        out[0] = bf12_row256_1(w, n, x, xs);
+        return;
+    }
     const uint8_t* L = w->lo + n * K;
     const uint8_t* Hn = w->hi + n * (K / 2);
     const __m256i T = bf12_table256(w->base[n]), hm = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 a[4], c[4];
     for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm256_setzero_ps();
-    for (i64 u = 0; u < K; u += 64) {
-        __m256i v[4];
-        bf12_half256(L + u, Hn + (u / 128) * 64, (int)((u / 64) & 1) * 4, T, v);
-        for (int j = 0; j < 4; j++) {
+    for (i64 u = 0; u < K; u += 128) {
+        __m256i v[8];
+        bf12_unit256(L + u, Hn + u / 2, T, v);
+        for (int j = 0; j < 8; j++) {
             const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v[j], 16));
             const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v[j], hm));
             for (i64 m = 0; m < M; m++) {
@@ -220,7 +248,7 @@ static inline __attribute__((always_inline)) void bf12_row256(const moeq_bf12* w
     }
     for (i64 m = 0; m < M; m++) out[m] = hsum8(_mm256_add_ps(a[m], c[m])) + bf12_exceptions_dot(w, n, x + m * K);
 }
-#define BF12_ROWS(w, n, x, M, o) bf12_row256(w, n, x, M, o)
+#define BF12_ROWS(w, n, x, M, o) bf12_row256(w, n, x, xs, M, o)
 #endif
 
 // y[M, N] = bf16(x[M, K] @ W^T), x bf16; fp32 sums rounded once. Returns 0 (nothing written) without a SIMD kernel
@@ -229,6 +257,14 @@ int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
 #if defined(BF12_ROWS)
     const i64 N = w->N, K = w->K;
     if (K % 128 || M < 1) return 0;
+    float* xs = NULL;  // AVX2, one row: x split to fp32 once
+#if defined(MOEQ_AVX2)
+    if (M == 1) {  // (2-4 rows of x stay bf16: as fp32 they crowd the weights out of L1, 17.6 -> 30.5 ms at 4 rows)
+        xs = (float*)malloc((size_t)K * sizeof(float));
+        if (!xs) return 0;
+        x_split16_bf16(x, K, xs);
+    }
+#endif
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (i64 n = 0; n < N; n++)
         for (i64 m0 = 0; m0 < M; m0 += 4) {
@@ -243,6 +279,7 @@ int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
             }
             for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = f2bf(o[m]);
         }
+    free(xs);
     return 1;
 #else
     (void)w; (void)x; (void)M; (void)y;
