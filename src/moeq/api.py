@@ -16,6 +16,7 @@ from moeq.convert import ExpertsBuilder, activation_for, install_experts, plan, 
 from moeq.formats import PackedWeight
 from moeq.io.writer import atomic_dir, copy_side_files, model_sources, unique_tensors, write_shards
 from moeq.record import quantization_config
+from moeq.nn.bf12 import Bf12Linear
 from moeq.nn.packed import packed_slots
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,14 @@ def inspect(model: nn.Module) -> dict:
             rows.append({"module": name, "format": str(p.dtype).removeprefix("torch."), "detail": {},
                          "shape": list(p.shape), "bits_per_weight": 8.0 * p.element_size(),
                          "bytes": p.numel() * p.element_size()})
+    for name, mod in model.named_modules():  # kept bf16 heads held in bf12: bf16 as saved, 12 bits in memory
+        if isinstance(mod, Bf12Linear):
+            n = mod.in_features * mod.out_features
+            other_bytes += 2 * n
+            other_params += n
+            rows.append({"module": f"{name}.weight", "format": "bfloat16",
+                         "detail": {"in_memory": "bf12", "bytes_in_memory": mod.nbytes()},
+                         "shape": [mod.out_features, mod.in_features], "bits_per_weight": 16.0, "bytes": 2 * n})
     total_params = q_params + other_params
     return {"modules": rows, "quantized_params": q_params, "quantized_bytes": q_bytes,
             "unquantized_params": other_params, "unquantized_bytes": other_bytes,

@@ -139,6 +139,9 @@ def test_model_head_in_bf12_saves_reloads_and_generates(tiny_ckpt, tmp_path):
     for f in glob.glob(str(src / "*.safetensors")):
         raw.update(load_file(f))
     assert torch.equal(_bits(m.state_dict()["lm_head.weight"]), _bits(raw["lm_head.weight"]))
+    row = next(r for r in moeq.inspect(m)["modules"] if r["module"] == "lm_head.weight")
+    assert row["format"] == "bfloat16" and row["bytes"] == raw["lm_head.weight"].numel() * 2
+    assert row["detail"]["bytes_in_memory"] == m.lm_head.nbytes() < row["bytes"] * 0.8
     ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     fast = m.generate(ids, **kw)  # the native decode step reads the head in bf12
