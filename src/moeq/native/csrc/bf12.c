@@ -259,7 +259,8 @@ int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
     if (K % 128 || M < 1) return 0;
     float* xs = NULL;  // AVX2, one row: x split to fp32 once
 #if defined(MOEQ_AVX2)
-    if (M == 1) {  // (2-4 rows of x stay bf16: as fp32 they crowd the weights out of L1, 17.6 -> 30.5 ms at 4 rows)
+    if (M == 1) {  // (2-4 rows of x stay bf16: as fp32, whole rows or by 16-row x 512-column tiles, 28.7-30.5 ms
+                   // against 16.5-17.8 at 4 rows; both forms are FMA-bound there, the bf16 head's too)
         xs = (float*)malloc((size_t)K * sizeof(float));
         if (!xs) return 0;
         x_split16_bf16(x, K, xs);
