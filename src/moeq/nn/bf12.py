@@ -5,7 +5,8 @@ and the native gemv unpacks it in registers to the exact bf16 weights (fp32 sums
 
 Its ``state_dict`` holds ``weight`` (bf16, unpacked bit for bit) and ``load_state_dict`` takes one, so saving,
 exporting and reloading see a plain linear. Forwards of up to :data:`MAX_ROWS` CPU bf16 rows are one native call;
-others (a prompt's every position, other dtypes or devices) unpack the weight a block of rows at a time.
+others on CPU (a prompt's every position, other dtypes) unpack the weight a block of rows at a time. Moved to another
+device (``model.to("cuda")``), it unpacks once there (its bf16 size again) and runs as a plain linear.
 """
 from __future__ import annotations
 
@@ -70,11 +71,20 @@ class Bf12Linear(nn.Module):
             y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
             if native.lib().moeq_bf12_gemv(self.describe(), xc.data_ptr(), rows, y.data_ptr()):
                 return y
+        if self.lo.device.type != "cpu":  # e.g. after model.to("cuda"): unpacked once there, then a plain linear
+            dense = self.__dict__.get("_dense")
+            if dense is None or dense.device != x.device or dense.dtype != x.dtype:
+                self.__dict__["_dense"] = dense = self.unpack().to(device=x.device, dtype=x.dtype)
+            return nn.functional.linear(x, dense)
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         for n0 in range(0, self.out_features, BLOCK_ROWS):
             w = self.unpack(slice(n0, n0 + BLOCK_ROWS)).to(device=x.device, dtype=x.dtype)
             y[..., n0:n0 + w.shape[0]] = nn.functional.linear(x, w)
         return y
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_dense", None)
+        return super()._apply(fn, *args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.unpack()
@@ -92,6 +102,7 @@ class Bf12Linear(nn.Module):
                               f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
             return
         self._set(bf12.pack(w.detach().to("cpu")))
+        self.__dict__.pop("_dense", None)
         for name in state_dict:
             if name.startswith(prefix) and name != key and "." not in name[len(prefix):]:
                 unexpected_keys.append(name)
