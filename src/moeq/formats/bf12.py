@@ -146,14 +146,19 @@ def pack(w: torch.Tensor) -> Bf12:
     return Bf12(lo, hi, base, xptr, xcol, xval)
 
 
-def unpack(p: Bf12, rows: slice | None = None) -> torch.Tensor:
-    """The bf16 weight (or ``rows`` of it, a step-1 slice), natively when the library is built."""
+def unpack(p: Bf12, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 weight (or ``rows`` of it, a step-1 slice), natively when the library is built; into ``out`` (a
+    contiguous bf16 ``[rows, K]``) when given."""
     n, k = p.shape
     n0, n1, _ = (rows or slice(None)).indices(n)
+    shape = (max(n1 - n0, 0), k)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous()):
+        raise MoeqError(f"bf12.unpack: out must be a contiguous bf16 tensor of shape {shape}")
     L = native.lib()
     if L is None:
-        return unpack_reference(p)[n0:n1]
-    out = torch.empty(max(n1 - n0, 0), k, dtype=torch.bfloat16)
+        w = unpack_reference(p)[n0:n1]
+        return w if out is None else out.copy_(w)
+    out = torch.empty(shape, dtype=torch.bfloat16) if out is None else out
     if n1 > n0:
         L.moeq_bf12_unpack(p.describe(), n0, n1, out.data_ptr())
     return out

@@ -18,7 +18,7 @@ from moeq.formats import bf12
 
 UNIT = bf12.UNIT  # K must be a multiple
 MAX_ROWS = 4  # as the bf16 head's gemv (decode.HEAD_MAX_ROWS): past it a GEMM on unpacked blocks wins
-BLOCK_ROWS = 16384  # output rows unpacked at a time for many-row forwards (64 MB at K 2048)
+BLOCK_WEIGHTS = 2 << 20  # weights unpacked at a time for many-row forwards (4 MB: stays in L2/L3 for the GEMM)
 _FIELDS = bf12.Bf12._fields
 
 
@@ -76,11 +76,16 @@ class Bf12Linear(nn.Module):
             if dense is None or dense.device != x.device or dense.dtype != x.dtype:
                 self.__dict__["_dense"] = dense = self.unpack().to(device=x.device, dtype=x.dtype)
             return nn.functional.linear(x, dense)
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
-        for n0 in range(0, self.out_features, BLOCK_ROWS):
-            w = self.unpack(slice(n0, n0 + BLOCK_ROWS)).to(device=x.device, dtype=x.dtype)
-            y[..., n0:n0 + w.shape[0]] = nn.functional.linear(x, w)
-        return y
+        # many rows: blocks of rows unpacked into one cache-sized buffer, each multiplied into rows of the transposed
+        # output (no strided copy); the logits come back as its transposed view
+        x2 = x.reshape(-1, self.in_features)
+        n, block = self.out_features, max(1, BLOCK_WEIGHTS // self.in_features)
+        yt = torch.empty(n, x2.shape[0], dtype=x.dtype)
+        buf = torch.empty(min(block, n), self.in_features, dtype=torch.bfloat16)
+        for n0 in range(0, n, block):
+            w = bf12.unpack(self.packed, slice(n0, n0 + block), out=buf[:min(block, n - n0)])
+            torch.mm(w if x.dtype == torch.bfloat16 else w.to(x.dtype), x2.t(), out=yt[n0:n0 + w.shape[0]])
+        return yt.t().view(*x.shape[:-1], n)
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_dense", None)
