@@ -161,3 +161,26 @@ def test_model_head_in_bf12_saves_reloads_and_generates(tiny_ckpt, tmp_path):
 def test_tied_head_stays_a_linear(tiny_ckpt):
     m = moeq.load(tiny_ckpt("qwen3_moe", tie_word_embeddings=True), quant="rtn-int4", progress=False)
     assert type(m.lm_head) is nn.Linear and m.lm_head.weight is m.get_input_embeddings().weight
+
+
+def test_outlier_weights_are_refused_before_their_exception_lists_exist():
+    w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(6)) * 1e-6).bfloat16()
+    w[:, 0] = 1e4  # every row: one outlier, the rest ~2^33 below it -> all exceptions
+    full = bf12.pack(w)
+    assert int(full.xptr[-1]) == int((w[:, 1:] != 0).sum()) and full.nbytes() > w.numel() * 2 * 2
+    assert torch.equal(_bits(bf12.unpack(full)), _bits(w))
+    assert bf12.pack(w, max_bytes=int(0.8 * w.numel() * 2)) is None
+    lin = nn.Linear(256, 64, bias=False).bfloat16().requires_grad_(False)
+    lin.weight.copy_(w)
+    assert Bf12Linear.from_linear(lin, max_fraction=0.8) is None
+
+
+@pytest.mark.skipif(not native.has_simd(), reason="the bf12 head needs the native decode forwards")
+def test_a_head_of_outliers_stays_bf16(tiny_ckpt):
+    from moeq.nn import decode
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
+    head = to_linear(m.lm_head)
+    head.weight.data.mul_(1e-6)[:, 0] = 1e4
+    m.lm_head = head
+    assert decode._try_head(m)  # the bf16 head's own native gemv instead
+    assert m.lm_head is head and type(head) is nn.Linear and "forward" in head.__dict__

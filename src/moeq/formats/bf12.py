@@ -124,12 +124,16 @@ def unpack_reference(p: Bf12) -> torch.Tensor:
     return out
 
 
-def pack(w: torch.Tensor) -> Bf12:
-    """:func:`pack_reference`, natively when the library is built (two passes: codes and counts, then exceptions)."""
+def pack(w: torch.Tensor, max_bytes: int | None = None) -> Bf12 | None:
+    """:func:`pack_reference`, natively when the library is built (two passes: codes and counts, then exceptions).
+    None when the result would exceed ``max_bytes`` or 2^31 - 1 exceptions — decided from the first pass's counts,
+    before the exception lists are allocated (a weight of outliers could otherwise list ~all of its values, at 6
+    bytes each)."""
     check(w)
     L = native.lib()
     if L is None:
-        return pack_reference(w)
+        p = pack_reference(w)
+        return p if max_bytes is None or p.nbytes() <= max_bytes else None
     w = w.contiguous()
     n, k = w.shape
     lo = torch.empty(n, k, dtype=torch.uint8)
@@ -137,9 +141,12 @@ def pack(w: torch.Tensor) -> Bf12:
     base = torch.empty(n, dtype=torch.uint8)
     counts = torch.empty(n, dtype=torch.int32)
     L.moeq_bf12_pack(w.data_ptr(), n, k, lo.data_ptr(), hi.data_ptr(), base.data_ptr(), counts.data_ptr())
+    total = int(counts.sum(dtype=torch.int64))
+    size = lo.numel() + hi.numel() + base.numel() + 4 * (n + 1) + 6 * total
+    if total >= 2 ** 31 or (max_bytes is not None and size > max_bytes):
+        return None
     xptr = torch.zeros(n + 1, dtype=torch.int32)
     xptr[1:] = counts.cumsum(0)
-    total = int(xptr[-1])
     xcol = torch.empty(total, dtype=torch.int32)
     xval = torch.empty(total, dtype=torch.bfloat16)
     L.moeq_bf12_exceptions(w.data_ptr(), n, k, base.data_ptr(), xptr.data_ptr(), xcol.data_ptr(), xval.data_ptr())

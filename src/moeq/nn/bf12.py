@@ -30,10 +30,14 @@ class Bf12Linear(nn.Module):
         self._set(packed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Bf12Linear:
+    def from_linear(cls, linear: nn.Linear, max_fraction: float | None = None) -> Bf12Linear | None:
+        """The linear in bf12; None when that would exceed ``max_fraction`` of its bf16 bytes (outliers)."""
         if linear.bias is not None:
             raise ValueError("Bf12Linear holds bias-free linears")
-        return cls(bf12.pack(linear.weight.detach()))
+        w = linear.weight.detach()
+        limit = None if max_fraction is None else int(max_fraction * w.numel() * 2)
+        p = bf12.pack(w, max_bytes=limit)
+        return None if p is None else cls(p)
 
     def _set(self, p: bf12.Bf12) -> None:
         for name, t in zip(_FIELDS, p):  # xval as int16 bits: a model.to(dtype) leaves them alone
@@ -106,7 +110,11 @@ class Bf12Linear(nn.Module):
             error_msgs.append(f"{key}: expected a bf16 tensor of shape {shape}, got "
                               f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
             return
-        self._set(bf12.pack(w.detach().to("cpu")))
+        p = bf12.pack(w.detach().to("cpu"))
+        if p is None:
+            error_msgs.append(f"{key}: over 2^31 values outside bf12's exponent window")
+            return
+        self._set(p)
         self.__dict__.pop("_dense", None)
         for name in state_dict:
             if name.startswith(prefix) and name != key and "." not in name[len(prefix):]:

@@ -150,8 +150,8 @@ def _try_head(model: nn.Module) -> bool:
     with torch.no_grad():
         ref = nn.functional.linear(x, head.weight)
         if head.in_features % bf12.UNIT == 0 and _untied(model, head) and hasattr(model, "set_output_embeddings"):
-            packed = bf12.Bf12Linear.from_linear(head)  # kept unless outliers make its exceptions a fair share
-            if packed.nbytes() <= 0.8 * head.weight.numel() * 2 and _head_close(packed(x), ref):
+            packed = bf12.Bf12Linear.from_linear(head, max_fraction=0.8)  # None: outliers, too many exceptions
+            if packed is not None and _head_close(packed(x), ref):
                 model.set_output_embeddings(packed)
                 return True
         if not _head_close(bf16_linear(x, head.weight), ref):
