@@ -23,6 +23,9 @@ _FIELDS = bf12.Bf12._fields
 
 
 class Bf12Linear(nn.Module):
+    """``packed`` (:class:`moeq.formats.bf12.Bf12`) as a linear layer: buffers ``lo, hi, base, xptr, xcol, xval``
+    (not persistent: the state dict holds the bf16 ``weight``), ``in_features`` / ``out_features``, ``bias`` None."""
+
     def __init__(self, packed: bf12.Bf12):
         super().__init__()
         self.out_features, self.in_features = packed.shape
