@@ -76,11 +76,11 @@ def pack_reference(w: torch.Tensor) -> Bf12:
     """Plain torch: the definition."""
     check(w)
     n, k = w.shape
-    pos = positions()
     lo = torch.empty(n, k, dtype=torch.uint8)
     hi = torch.empty(n, k // 2, dtype=torch.uint8)
     base = torch.empty(n, dtype=torch.uint8)
     counts, cols, vals = [], [], []
+    dest = (torch.arange(k // UNIT)[:, None] * UNIT + positions()[None]).reshape(-1)  # column -> lo offset
     for r0 in range(0, n, _CHUNK):
         bits, e, sign, b = _fields(w[r0:r0 + _CHUNK].contiguous())
         rows = bits.shape[0]
@@ -89,7 +89,6 @@ def pack_reference(w: torch.Tensor) -> Bf12:
         code = torch.where(keep, e - b, 0)
         low = torch.where(keep, bits & 0xFF, 0)
         nib = (sign << 3) | code
-        dest = (torch.arange(k // UNIT)[:, None] * UNIT + pos[None]).reshape(-1)  # column -> lo offset
         lo_rows = torch.empty(rows, k, dtype=torch.int32)
         lo_rows[:, dest] = low
         nib_rows = torch.empty(rows, k, dtype=torch.int32)

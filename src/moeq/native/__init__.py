@@ -1,6 +1,7 @@
 """The native CPU library: C sources in ``csrc/`` (``moeq.h`` shared types and prototypes; ``quants.c``,
 ``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c``, ``bf12.c`` split by concern),
-compiled on first use with the system C compiler into one shared library in a per-user cache, and called through ctypes.
+compiled on first use with the system C compiler into one shared library in a per-user cache, and called through
+ctypes.
 
 This is moeq's bottom layer for native code: it imports only torch and :mod:`moeq.errors`, so formats, kernels and
 modules all sit above it. Every export's return and argument types are declared once, in :data:`ABI`; callers pass

@@ -89,8 +89,9 @@ class Bf12Linear(nn.Module):
         n, block = self.out_features, max(1, BLOCK_WEIGHTS // self.in_features)
         yt = torch.empty(n, x2.shape[0], dtype=x.dtype)
         buf = torch.empty(min(block, n), self.in_features, dtype=torch.bfloat16)
+        p = self.packed
         for n0 in range(0, n, block):
-            w = bf12.unpack(self.packed, slice(n0, n0 + block), out=buf[:min(block, n - n0)])
+            w = bf12.unpack(p, slice(n0, n0 + block), out=buf[:min(block, n - n0)])
             torch.mm(w if x.dtype == torch.bfloat16 else w.to(x.dtype), x2.t(), out=yt[n0:n0 + w.shape[0]])
         return yt.t().view(*x.shape[:-1], n)
 

@@ -134,8 +134,9 @@ def _untied(model: nn.Module, head: nn.Linear) -> bool:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return (not getattr(cfg, "tie_word_embeddings", False)
-            and getattr(getattr(emb, "weight", None), "data_ptr", lambda: None)() != head.weight.data_ptr())
+    emb_w = getattr(emb, "weight", None)
+    shared = isinstance(emb_w, torch.Tensor) and emb_w.data_ptr() == head.weight.data_ptr()
+    return not getattr(cfg, "tie_word_embeddings", False) and not shared
 
 
 def _try_head(model: nn.Module) -> bool:
