@@ -19,7 +19,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_formats.py
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-fast bench

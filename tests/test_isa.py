@@ -34,6 +34,7 @@ def runs_here(march: str, tmp_path: Path) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
 def test_avx2_build_passes_kernel_tests(tmp_path, march):
     if not runs_here(march, tmp_path):
@@ -46,6 +47,7 @@ def test_avx2_build_passes_kernel_tests(tmp_path, march):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         "tests/kernels/test_cpu_kernels.py", "tests/kernels/test_int8_activations.py",
                         "tests/kernels/test_rows16.py", "tests/kernels/test_il16.py", "tests/kernels/test_bf12.py",
+                        "tests/kernels/test_matrix.py", "-m", "not slow",
                         "tests/formats",
                         "tests/test_compat.py",
                         "tests/models/test_decode_forwards.py", "tests/models/test_attention.py"],
@@ -53,6 +55,7 @@ def test_avx2_build_passes_kernel_tests(tmp_path, march):
     assert r.returncode == 0, r.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_plain_build_links_and_passes_kernel_tests(tmp_path):
     """The baseline x86-64 build (no AVX2: what the plain-C paths serve) links with every symbol defined — the
     SIMD-only helpers stay behind their guards — and its kernels match the references."""
@@ -63,12 +66,14 @@ def test_plain_build_links_and_passes_kernel_tests(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "plain" in r.stdout, r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        "tests/kernels/test_cpu_kernels.py", "tests/kernels/test_bf12.py"], env=env, cwd=ROOT,
+                        "tests/kernels/test_cpu_kernels.py", "tests/kernels/test_bf12.py",
+                        "tests/kernels/test_matrix.py", "-m", "not slow"], env=env, cwd=ROOT,
                        capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_bf16_build_without_vbmi_runs_the_3bit_rows(tmp_path):
     """AVX512-BF16 without VBMI (``cooperlake``): the 3-bit codebook rows unpack their 24-bit words in scalar code
     instead of vpermb/vpmultishiftqb, and match the reference like the VBMI form."""

@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SMOKE = """
@@ -25,6 +27,7 @@ print("ok", moeq.__version__)
 """
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_runs_native(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",

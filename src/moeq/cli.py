@@ -8,6 +8,9 @@ import resource
 import sys
 import time
 from pathlib import Path
+
+from safetensors import SafetensorError
+
 from moeq.errors import MoeqError
 
 
@@ -165,6 +168,9 @@ def _prompts(args) -> list[str]:
             text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as e:
             raise MoeqError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise MoeqError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: "
+                            f"{e.object[e.start:e.start + 1]!r}); save it as UTF-8") from None
         prompts = [line for line in text.splitlines() if line.strip()]
     else:
         prompts = [sys.stdin.read() if args.prompt == "-" else args.prompt]
@@ -192,7 +198,7 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from moeq.generation import encode, has_chat_template, stop_ids
+    from moeq.generation import encode, fit_context, has_chat_template, stop_ids
 
     prompts = _prompts(args)
     model, tok = _load_for_generation(args)
@@ -207,7 +213,8 @@ def cmd_generate(args) -> int:
             print(prompt, end="", flush=True)
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
         t0 = time.perf_counter()
-        out = model.generate(ids, streamer=streamer, **kw)
+        out = model.generate(ids, streamer=streamer, **kw | {
+            "max_new_tokens": fit_context(model, ids.shape[1], args.max_new_tokens)})
         dt = time.perf_counter() - t0
         n = out.shape[1] - ids.shape[1]
         print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
@@ -218,7 +225,7 @@ def cmd_chat(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from moeq.generation import encode, has_chat_template, stop_ids
+    from moeq.generation import encode, fit_context, has_chat_template, stop_ids
 
     model, tok = _load_for_generation(args)
     if not has_chat_template(tok):
@@ -243,7 +250,14 @@ def cmd_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         ids = encode(tok, history).to(args.device)
-        out = model.generate(ids, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **kw)
+        try:
+            new = fit_context(model, ids.shape[1], args.max_new_tokens)
+        except MoeqError as e:  # the conversation outgrew the context: this turn is refused, the session goes on
+            history.pop()
+            print(f"moeq: {e} (/reset starts over)", file=sys.stderr)
+            continue
+        out = model.generate(ids, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
+                             **kw | {"max_new_tokens": new})
         history.append({"role": "assistant",
                         "content": tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()})
 
@@ -564,8 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _resolve_models(args)
         return args.func(args)
-    except (MoeqError, OSError) as e:  # bad input, missing/unwritable files, disk full: one line, nothing left
+    except (MoeqError, OSError, UnicodeError, SafetensorError) as e:  # bad input, missing/unwritable files, disk
+        # full (safetensors reports it as its own error type), undecodable text: one line, nothing left
         msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror}"
+        msg = f"not valid UTF-8 text ({e})" if isinstance(e, UnicodeDecodeError) else msg
         print(f"moeq: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

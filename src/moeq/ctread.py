@@ -76,12 +76,20 @@ def read_weight(ckpt: Checkpoint, qc: dict, head: str, dtype: torch.dtype) -> RT
     if strategy == "channel":
         scale = scale.reshape(-1, 1) if scale.numel() == n else scale
     zero = None
+    if sym and prefix + "weight_zero_point" in ckpt.tensors:
+        raise MoeqError(f"{prefix}weight_zero_point: present, but the config says symmetric: true for {module} "
+                        "(a symmetric weight has no zero points); the config and the tensors contradict each other")
     if not sym:
         if prefix + "weight_zero_point" not in ckpt.tensors:
             raise MoeqError(f"{prefix}weight_zero_point: missing for an asymmetric weight")
         zp = ckpt.read(prefix + "weight_zero_point")
         if zp.dtype != torch.int32 or zp.ndim != 2:
             raise MoeqError(f"{prefix}weight_zero_point: expected 2-D int32, got {zp.dtype} {list(zp.shape)}")
+        ng = 1 if gs == -1 else (k // gs if k % gs == 0 else -1)
+        want = (-(-n * bits // 32), ng)  # zero points packed along the output dim, 32 // bits per int32
+        if ng <= 0 or tuple(zp.shape) != want:
+            raise MoeqError(f"{prefix}weight_zero_point: shape {list(zp.shape)}, expected {list(want)} for a "
+                            f"[{n}, {k}] weight at {bits} bits, group {gs}")
         zero = unpack(zp.t().contiguous().view(torch.uint8), bits).t()[:n].contiguous()  # [rows, G]
     w = RTNWeight(qdata=packed.contiguous().view(torch.uint8), scale=scale.contiguous(), zero=zero, bits=bits,
                   group_size=gs, grid="vllm" if sym else "asym", shape=(n, k),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from moeq.errors import MoeqError
+from moeq.generation import context_length
 
 DECODE_CHUNK = 4  # tokens per decode-shaped forward: every decode kernel takes this many rows (the one-call linear's
 # limit for large weights)
@@ -133,6 +134,10 @@ def evaluate_many(models: dict[str, nn.Module], ref: nn.Module, ids: torch.Tenso
     ids = ids.reshape(-1)[:max_tokens] if max_tokens else ids.reshape(-1)
     for m in models.values():
         check_compatible(m, ref)
+    limit = context_length(ref)
+    if limit is not None and ctx > limit:
+        raise MoeqError(f"--ctx {ctx} is longer than the model's context of {limit} tokens "
+                        f"(max_position_embeddings): give --ctx {limit} or less")
     wins = windows(ids.numel(), ctx)
     acc = {k: {"nll": 0.0, "kl": [], "agree": 0} for k in models}
     nll_ref, count = 0.0, 0

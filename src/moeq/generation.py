@@ -4,10 +4,13 @@ over these."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from moeq.errors import MoeqError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,3 +55,28 @@ def stop_ids(tok, model) -> list[int]:
     for v in (tok.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
         ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
     return sorted(ids)
+
+
+def context_length(model) -> int | None:
+    """The longest sequence the model supports (its config's ``max_position_embeddings``), or None if it says none."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def fit_context(model, prompt_tokens: int, max_new_tokens: int) -> int:
+    """The new-token budget a prompt of ``prompt_tokens`` gets: a prompt longer than the model's context is refused
+    (moeq does not silently drop the start of what the user wrote); a budget running past the context is cut to
+    what fits, with a warning (as llama.cpp stops at its context size)."""
+    ctx = context_length(model)
+    if ctx is None:
+        return max_new_tokens
+    if prompt_tokens >= ctx:
+        raise MoeqError(f"the prompt is {prompt_tokens} tokens, and the model's context is {ctx} "
+                        "(max_position_embeddings): shorten the prompt")
+    if prompt_tokens + max_new_tokens > ctx:
+        log.warning("prompt %d + %d new tokens exceed the model's context of %d: generating at most %d",
+                    prompt_tokens, max_new_tokens, ctx, ctx - prompt_tokens)
+        return ctx - prompt_tokens
+    return max_new_tokens

@@ -15,6 +15,7 @@ from moeq import ctread, ggufread, prequant
 from moeq.config import QuantConfig
 from moeq.errors import MoeqError
 from moeq.io import hub
+from moeq.nn import finite
 from moeq.io.safetensors_io import Checkpoint
 from moeq.load_state import LoadState, compute_dtype, read_config
 from moeq.record import QUANT_METHOD
@@ -29,7 +30,10 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     ``device`` (default CPU): where the model runs. On a GPU, source tensors stream from disk to the GPU one at a
     time and are quantized there; saved and pre-quantized checkpoints are moved once loaded.
 
-    ``activations``: the CPU decode kernels' numerics, ``"default"`` or ``"int8"`` (see :func:`moeq.set_activations`)."""
+    ``activations``: the CPU decode kernels' numerics, ``"default"`` or ``"int8"`` (see :func:`moeq.set_activations`).
+
+    The model raises :class:`moeq.nn.finite.NonFiniteError` (a :class:`MoeqError`) at the first layer that turns finite
+    input into NaN/Inf, rather than return non-finite logits (:mod:`moeq.nn.finite`)."""
     from moeq.kernels.gpu import check_device  # noqa: PLC0415
 
     from moeq.api import ACTIVATIONS, set_activations  # noqa: PLC0415
@@ -37,7 +41,7 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     if activations not in ACTIVATIONS:
         raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     dev = check_device(device)
-    model = _load(hub.resolve(path), quant, dtype, progress, dev)
+    model = finite.install(_load(hub.resolve(path), quant, dtype, progress, dev))
     if activations != "default":
         set_activations(model, activations)
     return model if dev.type == "cpu" else model.to(dev)

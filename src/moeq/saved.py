@@ -21,6 +21,8 @@ from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
 from moeq.load_state import compute_dtype, finish_model, load_generation_config, set_or_note_unused, skeleton
 from moeq.nn import Activation, QuantExperts, QuantLinear
+from moeq.record import FORMAT_VERSION
+from moeq.version import __version__
 
 def _saved_entry(path: Path, name: str, entry) -> tuple[str, dict, bool]:
     """Check one ``modules`` entry of a saved moeq config: its type, slots and flags, naming the module at fault."""
@@ -49,7 +51,24 @@ def _saved_activation(where: str, spec) -> Activation:
     return act
 
 
+def check_versions(path: Path, qc: dict) -> None:
+    """A saved checkpoint's layout (``format_version``) and its recorded config must be ones this moeq reads: a
+    newer one is refused ("written by a newer moeq") rather than read as if it were the old layout."""
+    fv = qc.get("format_version", 1)
+    if type(fv) is not int or fv < 1:
+        raise MoeqError(f"{path}: quantization_config.format_version must be a positive integer, got {fv!r}")
+    if fv > FORMAT_VERSION:
+        raise MoeqError(f"{path}: saved in layout version {fv}, written by a newer moeq (this one, {__version__}, "
+                        f"reads up to {FORMAT_VERSION}); upgrade moeq")
+    if "config" in qc:
+        try:
+            QuantConfig.from_dict(qc["config"])
+        except MoeqError as e:
+            raise MoeqError(f"{path}: quantization_config.config: {e}") from None
+
+
 def restore(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress: bool) -> nn.Module:
+    check_versions(path, qc)
     dtype = compute_dtype(config, dtype)
     model = skeleton(config, dtype)
     arch = get_arch(config)

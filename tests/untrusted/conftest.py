@@ -36,9 +36,9 @@ class Isolated:
             pytest.fail(f"the worker crashed (exit {rc}) on {job}:\n{err}")
         return json.loads(line)
 
-    def load(self, path, quant=None, ref=None, save=None) -> dict:
+    def load(self, path, quant=None, ref=None, save=None, dtype=None) -> dict:
         return self.run({"op": "load", "path": str(path), "quant": quant, "ref": None if ref is None else str(ref),
-                         "save": None if save is None else str(save)})
+                         "save": None if save is None else str(save), "dtype": dtype})
 
     def cli(self, *argv) -> dict:
         return self.run({"op": "cli", "argv": [str(a) for a in argv]})
@@ -65,18 +65,21 @@ def assert_refused(reply: dict, *words: str) -> None:
 
 @pytest.fixture(scope="session")
 def saved(tiny_ckpt, tmp_path_factory, isolated):
-    """saved(method, model_type="qwen3_moe") -> (moeq checkpoint dir, its reference logits file)."""
+    """saved(method, model_type="qwen3_moe", dtype=None) -> (moeq checkpoint dir, its reference logits file when run
+    with compute dtype ``dtype``: None (as saved, bf16), "float16" or "float32")."""
     cache = {}
 
-    def make(method, model_type="qwen3_moe"):
+    def make(method, model_type="qwen3_moe", dtype=None):
         if (method, model_type) not in cache:
             d = tmp_path_factory.mktemp(f"saved-{method}-{model_type}")
             m = moeq.load(tiny_ckpt(model_type), quant=method, progress=False)
             moeq.save(m, d / "ckpt", source=tiny_ckpt(model_type))
-            ref = d / "ref.pt"
-            reply = isolated.load(d / "ckpt", save=ref)
+            cache[(method, model_type)] = d
+        d = cache[(method, model_type)]
+        ref = d / f"ref-{dtype}.pt"
+        if not ref.exists():
+            reply = isolated.load(d / "ckpt", save=ref, dtype=dtype)
             assert reply["outcome"] == "ok" and reply["finite"], reply
-            cache[(method, model_type)] = (d / "ckpt", ref)
-        return cache[(method, model_type)]
+        return d / "ckpt", ref
 
     return make

@@ -176,11 +176,11 @@ def m_quant_state(data, d: Path) -> None:
     mutate.save_tensors(d, sd)
 
 
-def check(isolated, ckpt: Path, ref: Path, mutation, data, quant=None) -> None:
+def check(isolated, ckpt: Path, ref: Path, mutation, data, quant=None, dtype=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = mutate.copy(ckpt, Path(tmp) / "c")
         mutation(data, d)
-        reply = isolated.load(d, quant=quant, ref=ref)
+        reply = isolated.load(d, quant=quant, ref=ref, dtype=dtype)
     event(f"{mutation.__name__}: {reply['outcome']}")  # --hypothesis-show-statistics: how often each outcome
     assert reply["outcome"] in ("error", "ok"), reply
     if reply["outcome"] == "ok":
@@ -188,15 +188,18 @@ def check(isolated, ckpt: Path, ref: Path, mutation, data, quant=None) -> None:
 
 
 # ---- the properties -----------------------------------------------------------------------------------------------
-SAVED_METHODS = ["rtn-int4", "rtn-int4-asym", "rtn-int8", "nf4", "int8", "iq4nl", "iq4nl-dq", "nl3"]
+SAVED_METHODS = ["rtn-int4", "rtn-int4-asym", "rtn-int8", "nf4", "int8", "iq4nl", "iq4nl-dq", "nl3", "q5_0", "q4_0",
+                 "q8_0"]
+COMPUTE = [None, None, "float16", "float32"]  # the saved bf16 compute, and fp16/fp32 over the same bf16 scales
 
 
 @FUZZ
 @given(data=st.data())
 def test_fuzz_saved_checkpoints(saved, isolated, data):
-    ckpt, ref = saved(data.draw(st.sampled_from(SAVED_METHODS), label="method"))
+    dtype = data.draw(st.sampled_from(COMPUTE), label="dtype")
+    ckpt, ref = saved(data.draw(st.sampled_from(SAVED_METHODS), label="method"), dtype=dtype)
     mutation = data.draw(st.sampled_from([m_header, m_tensor, m_saved_meta, m_saved_meta, m_config]), label="how")
-    check(isolated, ckpt, ref, mutation, data)
+    check(isolated, ckpt, ref, mutation, data, dtype=dtype)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 abort) fails the one test that caused it instead of killing the test run.
 
 Protocol: one JSON job per stdin line, one JSON reply per stdout line (after a ``READY`` line at start-up).
-- ``{"op": "load", "path": P, "quant": M|null, "ref": F|null, "save": F|null}``: ``moeq.load(P, quant=M)``, then a
+- ``{"op": "load", "path": P, "quant": M|null, "ref": F|null, "save": F|null, "dtype": D|null}``:
+  ``moeq.load(P, quant=M, dtype=torch.D)``, then a
   prefill forward and two greedy decode steps (the native decode kernels); their logits are compared with ``ref``
   (exactly) and/or saved to ``save``. Reply ``{"outcome": "ok"|"error"|"bug", ...}``: "error" is a MoeqError (its
   message in ``msg``), "bug" any other exception (type, message, traceback).
@@ -36,7 +37,8 @@ def load_job(job: dict) -> dict:
     import moeq
 
     try:
-        model = moeq.load(job["path"], quant=job.get("quant"), progress=False)
+        dtype = getattr(torch, job["dtype"]) if job.get("dtype") else None
+        model = moeq.load(job["path"], quant=job.get("quant"), progress=False, dtype=dtype)
         logits = logits_of(model)
     except moeq.MoeqError as e:
         return {"outcome": "error", "msg": str(e)}

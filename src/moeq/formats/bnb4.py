@@ -176,8 +176,8 @@ class Bnb4Weight(PackedWeight):
         absmax = self.resolved_absmax().contiguous()
         code = self.code.float().contiguous()
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
-        native.fits((self.packed, self.numel // 2), (absmax, self.numel // self.blocksize * 4), (code, 64),
-                 (out, self.numel * out.element_size()))
+        native.fits((self.packed, self.numel // 2), (absmax, self.numel // self.blocksize * 4), (code, 64))
+        native.fits_out(out, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, self.numel)
         L.moeq_bnb4_dequant(native.ptr(self.packed), native.ptr(absmax), native.ptr(code), native.i64(self.numel),
                             native.i64(self.blocksize), native.ptr(out), int(dtype == torch.bfloat16))
         return out

@@ -42,7 +42,8 @@ class Int8Weight(PackedWeight):
             return None
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         k = self.shape[-1]
-        native.fits((self.weight, self.numel), (self.scb, self.numel // k * 4), (out, self.numel * out.element_size()))
+        native.fits((self.weight, self.numel), (self.scb, self.numel // k * 4))
+        native.fits_out(out, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, self.numel)
         L.moeq_int8_dequant(native.ptr(self.weight), native.ptr(self.scb), native.i64(self.numel // k), native.i64(k),
                             native.ptr(out), int(dtype == torch.bfloat16))
         return out

@@ -173,7 +173,8 @@ class RTNWeight(PackedWeight):
         out = torch.empty(self.shape, dtype=dtype) if out is None else out
         rows, ng = self.numel // k, k // gs
         native.fits((self.qdata, rows * packed_size(k, self.bits)), (self.scale, rows * ng * self.scale.element_size()),
-                 (self.zero, rows * ng), (self.scale_super, rows * 2), (out, self.numel * out.element_size()))
+                 (self.zero, rows * ng), (self.scale_super, rows * 2))
+        native.fits_out(out, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, self.numel)
         if self.grid in CODEBOOKS or self.bits == 5:
             values = native_values(self.grid, self.bits)
             L.moeq_cb4_dequant(native.ptr(self.qdata), native.ptr(self.scale), self.scale_kind,

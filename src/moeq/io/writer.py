@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from moeq.errors import MoeqError
@@ -72,9 +73,19 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 
 MARKER = ".moeq-output.json"  # written last into every output directory: what moeq wrote there
-# What a moeq output directory written before the marker existed may hold (its config.json says quant_method moeq)
+# Every name moeq writes into an output directory (checkpoints, exports): a marker listing anything else is not
+# moeq's, and --overwrite refuses it
+_OUTPUT_NAMES = {"config.json", "model.safetensors", "model.safetensors.index.json", "model.gguf", *SIDE_FILES}
 _LEGACY_NAMES = {"config.json", "model.safetensors", "model.safetensors.index.json", *SIDE_FILES}
 _LEGACY_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _ours_by_name(name: str) -> bool:
+    return name in _OUTPUT_NAMES or bool(_LEGACY_SHARD.fullmatch(name))
+
+
+def _plain_file(p: Path) -> bool:
+    return not p.is_symlink() and p.is_file()
 
 
 def _is_legacy_output(out: Path) -> bool:
@@ -96,8 +107,29 @@ def _written_by_moeq(out: Path) -> str | None:
         listed = None
     if listed is None:
         return None if _is_legacy_output(out) else "it is not a moeq output (no readable " + MARKER + ")"
-    foreign = sorted(p.name for p in out.iterdir() if p.name != MARKER and p.name not in listed)
-    return f"it holds files moeq did not write there: {foreign[:5]}" if foreign else None
+    if not all(isinstance(n, str) and _ours_by_name(n) for n in listed):
+        odd = sorted(str(n) for n in listed if not (isinstance(n, str) and _ours_by_name(n)))
+        return f"its {MARKER} lists names moeq never writes: {odd[:5]}"
+    if not _plain_file(out / MARKER):
+        return f"its {MARKER} is not a plain file"
+    foreign = sorted(p.name for p in out.iterdir() if p.name != MARKER and (
+        p.name not in listed or not _ours_by_name(p.name) or not _plain_file(p)))
+    return f"it holds entries moeq did not write there (folders, links or other files): {foreign[:5]}" if foreign \
+        else None
+
+
+def _remove_output(folder: Path, also: str | None = None) -> None:
+    """Delete a previous moeq output moved aside: only the plain files moeq writes, then the folder if it is empty;
+    never recursive, so anything that appeared there since it was checked stays (with a warning)."""
+    for p in folder.iterdir():
+        if _plain_file(p) and (p.name in (MARKER, also) or _ours_by_name(p.name) or p.name.startswith(
+                f".{MARKER}.tmp-")):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    try:
+        folder.rmdir()
+    except OSError:
+        log.warning("kept %s: it holds entries moeq did not write", folder)
 
 
 def check_target(out: Path, overwrite: bool, sources=()) -> None:
@@ -138,7 +170,7 @@ def _clean_stale(parent: Path, name: str) -> None:
         if not m or p.is_symlink() or not p.is_dir() or _alive(int(m[2])):
             continue
         log.info("removing %s, left by a killed moeq run", p)
-        shutil.rmtree(p, ignore_errors=True)
+        _remove_output(p, also=name)
 
 
 def _alive(pid: int) -> bool:
@@ -188,7 +220,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, sources=()) -> I
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_output(old)
 
 
 @contextlib.contextmanager
@@ -249,7 +281,10 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, metadat
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for fname, shard in zip(names, shards):
-        save_file(_unshare(shard), str(out / fname), metadata=metadata)
+        try:
+            save_file(_unshare(shard), str(out / fname), metadata=metadata)
+        except SafetensorError as e:  # e.g. "No space left on device": neither an OSError nor a MoeqError
+            raise MoeqError(f"writing {out / fname} failed: {e}") from None
         weight_map.update({k: fname for k in shard})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())

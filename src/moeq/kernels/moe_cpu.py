@@ -33,6 +33,8 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
     e = w.shape[0] if len(w.shape) == 3 else 1
     n, k = w.shape[-2:]
     stack = fn(w, e, n, k, keep, dot_bf16)
+    if stack is not None:
+        stack._experts = e  # for the Python-side bounds checks (not a field the C side reads)
     if stack is not None and act_i8 and not il16:
         stack.act_i8 = int(takes_int8(w))
     if stack is not None and il16:  # w's codes and scales are in the il16 layout: only its kernels may read them
@@ -287,14 +289,26 @@ def held_stacks(module) -> tuple[WStack, WStack] | None:
 
 def il16_dequant(stack: WStack, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Expert ``e`` of an il16 stack (described as held) dequantized natively into a row-major ``[N, K]`` tensor of
-    ``dtype`` (bf16 or fp32; ``out``: a contiguous buffer of that dtype with room for it, reused across experts): the
-    row-major dequantizers' values."""
+    ``dtype`` (``out``: a contiguous buffer with room for it, reused across experts): the row-major dequantizers'
+    values. The kernel writes bf16 or fp32; any other ``dtype`` (fp16 models) is dequantized to fp32 and cast (exact:
+    the values are fp32 products), so no buffer is ever written in an element size it was not allocated for."""
+    if e < 0 or e >= max(1, stack_experts(stack)):
+        raise IndexError(f"il16_dequant: expert {e} out of range")
     n = stack.N * stack.K
-    out = torch.empty(n, dtype=dtype) if out is None or out.dtype != dtype or out.numel() < n else out
+    native_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    if out is None or out.dtype != native_dtype or out.numel() < n or not out.is_contiguous():
+        out = torch.empty(n, dtype=native_dtype)
+    native.fits_out(out, native_dtype, n)
     out = out.view(-1)[:n].view(stack.N, stack.K)
-    rc = native.lib().moeq_il16_dequant(ctypes.byref(stack), native.i64(e), native.ptr(out), int(dtype == torch.bfloat16))
+    rc = native.lib().moeq_il16_dequant(ctypes.byref(stack), native.i64(e), native.ptr(out),
+                                        int(native_dtype == torch.bfloat16))
     if rc == -1:
         raise MemoryError("moeq_il16_dequant: could not allocate its scratch")
     if rc != 1:
         raise RuntimeError("moeq_il16_dequant declined an il16 stack")
-    return out
+    return out if native_dtype == dtype else out.to(dtype)
+
+
+def stack_experts(stack: WStack) -> int:
+    """How many experts a described stack holds (0 when unknown: a described single weight)."""
+    return int(getattr(stack, "_experts", 0))

@@ -37,6 +37,9 @@ SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h", "il16_rows.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
+# "address": an AddressSanitizer build (run the process with LD_PRELOAD=$(cc -print-file-name=libasan.so)), which the
+# differential kernel tests use to catch any write past a buffer (tests/kernels/test_matrix.py)
+SANITIZE_ENV = "MOEQ_NATIVE_SANITIZE"
 
 
 def march() -> str:
@@ -46,6 +49,13 @@ def march() -> str:
     if not value or not all(c.isalnum() or c in "-_." for c in value):
         raise MoeqError(f"{ISA_ENV}={value!r} is not a -march value (e.g. native, x86-64-v3)")
     return value
+
+
+def _sanitize_flags() -> list[str]:
+    value = os.environ.get(SANITIZE_ENV, "")
+    if value not in ("", "address"):
+        raise MoeqError(f"{SANITIZE_ENV}={value!r}: the one sanitizer build is 'address'")
+    return ["-fsanitize=address", "-fno-omit-frame-pointer"] if value else []
 
 
 class Fmt(enum.IntEnum):
@@ -206,25 +216,83 @@ def lib() -> ctypes.CDLL | None:
 
 
 def _build(cc: str) -> Path | None:
+    """The library for these sources, flags and CPU: from the cache when a copy there is intact (its bytes match the
+    digest written beside it when it was built, and neither it nor its folder is writable by other users), else
+    compiled now. Concurrent builders each compile into a private temporary folder and rename into place, so a
+    reader never sees a half-written library; a truncated or foreign file in the cache is rebuilt, never loaded."""
     files = [CSRC / f for f in (*SOURCES, *HEADERS)]
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
-    flags = [*FLAGS, f"-march={march()}"]
+    flags = [*FLAGS, f"-march={march()}", *_sanitize_flags()]
     digest.update(" ".join([cc, *flags, _cpu_flags()]).encode())
-    so = _cache_dir() / f"libmoeq_cpu_{digest.hexdigest()[:16]}.so"
-    if so.exists():
+    folder = _private_dir(_cache_dir())
+    so = folder / f"libmoeq_cpu_{digest.hexdigest()[:16]}.so"
+    stamp = so.with_suffix(".sha256")
+    if _intact(so, stamp):
         return so
-    so.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+    if so.exists() or so.is_symlink():
+        log.warning("the cached kernel library %s does not match its build digest: rebuilding it", so)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / so.name
         proc = subprocess.run([cc, *flags, *(str(CSRC / f) for f in SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode:
             log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
             return None
-        os.replace(out, so)
+        out.chmod(0o755)
+        (Path(tmp) / stamp.name).write_text(_sha256(out))
+        os.replace(out, so)  # the library first: a reader that finds the new digest finds the new library
+        os.replace(Path(tmp) / stamp.name, stamp)
+    if not _intact(so, stamp):  # another process replaced it between our two renames: use a private copy
+        return _build_private(cc, flags)
     return so
+
+
+def _build_private(cc: str, flags: list[str]) -> Path | None:
+    folder = Path(tempfile.mkdtemp(prefix="moeq-kernels-"))
+    out = folder / "libmoeq_cpu.so"
+    proc = subprocess.run([cc, *flags, *(str(CSRC / f) for f in SOURCES), "-o", str(out), "-lm"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        log.warning("building moeq CPU kernels failed, using plain-torch paths:\n%s", proc.stderr[-2000:])
+        return None
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _safe(path: Path) -> bool:
+    """Owned by this user (or root) and not writable by group or others."""
+    st = path.lstat()
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & 0o022
+
+
+def _intact(so: Path, stamp: Path) -> bool:
+    try:
+        if so.is_symlink() or stamp.is_symlink() or not so.is_file() or not (_safe(so) and _safe(stamp)):
+            return False
+        return stamp.read_text().strip() == _sha256(so)
+    except OSError:
+        return False
+
+
+def _private_dir(folder: Path) -> Path:
+    """``folder`` created 0700 if missing; if it (or a parent moeq made) is writable by others or owned by someone
+    else, a fresh private temporary folder instead (a library another user can replace would run their code)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for p in (folder, folder.parent):
+        if p.is_symlink() or not _safe(p):
+            log.warning("the kernel cache %s is a link, or writable by or owned by another user: building in a "
+                        "private temporary folder instead", p)
+            return Path(tempfile.mkdtemp(prefix="moeq-kernels-"))
+    return folder
 
 
 @functools.cache
@@ -293,6 +361,17 @@ def fits(*pairs: tuple[torch.Tensor | None, int]) -> None:
         if t is not None and t.numel() * t.element_size() < need:
             raise MoeqError(f"refusing a native call: it would touch {need} bytes of a {t.dtype} tensor of shape "
                             f"{list(t.shape)} ({t.numel() * t.element_size()} bytes); the weight is inconsistent")
+
+
+def fits_out(t: torch.Tensor, written: torch.dtype, count: int) -> None:
+    """Bounds check for a buffer the C side writes ``count`` elements of type ``written`` into (bf16 or fp32: the C
+    side's ``out_bf16`` flag): the tensor must be a contiguous CPU tensor of exactly that dtype with room for them.
+    A buffer of another dtype (an fp16 model's) is refused here, before any byte is written: its element size is not
+    the one the kernel writes."""
+    if t.dtype != written or not t.is_contiguous() or t.device.type != "cpu":
+        raise MoeqError(f"refusing a native call: it writes {written} elements, and its output buffer is a "
+                        f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} tensor on {t.device}")
+    fits((t, count * t.element_size()))
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:

@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq import native
 from moeq.errors import MoeqError
-from moeq.nn import bf12, decode
+from moeq.nn import bf12, decode, finite
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 4  # the native bf16 head's rows (decode.HEAD_MAX_ROWS); quantized heads allow what their plan allows
@@ -135,6 +135,7 @@ class Engine:
                                     logits.data_ptr())
         if at != -1:
             raise MoeqError("the native decode step failed (a token or position out of range, or out of memory)")
+        finite.check(logits, "the native decode step (a layer or the head)")
         return logits
 
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:

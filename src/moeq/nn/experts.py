@@ -194,7 +194,8 @@ class QuantExperts(DecodeLayout, nn.Module):
         values and matmul dtype as :func:`moeq.kernels.reference`."""
         ys = torch.empty(xs.shape[0], stack.N, dtype=xs.dtype, device=xs.device)
         cd = matmul_dtype(xs.dtype, xs.device)
-        buf = torch.empty(stack.N * stack.K, dtype=cd)  # one dequantized expert at a time
+        # one dequantized expert at a time, in a dtype the kernel writes (fp16 models: fp32, then cast)
+        buf = torch.empty(stack.N * stack.K, dtype=cd if cd in (torch.bfloat16, torch.float32) else torch.float32)
         start = 0
         for e, n in enumerate(counts):
             if n:

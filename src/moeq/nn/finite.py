@@ -1,0 +1,87 @@
+"""No silent non-finite output: a loaded model stops at the first NaN/Inf it produces, naming where.
+
+Every statistic of a checkpoint can be finite and within its own bound while a product of them overflows (a scale
+of 1e37 times a code, an fp16 activation past 65504, a bf16 head value of 3e38). Rather than bound every product
+at load, moeq checks what the model computes: the embedding's output, each decoder layer's output and the final
+logits (``torch.isfinite(...).all()``: one pass over a ``[tokens, hidden]`` tensor per layer, well under 1% of a
+step), and raises :class:`NonFiniteError` at the first module whose output is non-finite while its input was finite.
+The native whole-step decode path (:mod:`moeq.nn.engine`) checks its logits the same way.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeq.errors import MoeqError
+
+ATTR = "_moeq_finite_guard"
+
+
+class NonFiniteError(MoeqError):
+    """A model produced NaN or Inf from finite input."""
+
+
+def _first(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    logits = getattr(x, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    hidden = getattr(x, "last_hidden_state", None)
+    return hidden if isinstance(hidden, torch.Tensor) else None
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "NaN" if torch.isnan(t).any() else "Inf"
+
+
+def check(t: torch.Tensor, where: str, dtype_hint: torch.dtype | None = None) -> None:
+    """Raise :class:`NonFiniteError` when floating-point ``t`` holds NaN or Inf."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(f"{where} produced {_kind(t)} values from finite input: a weight or scale in it "
+                             f"overflows in {dtype_hint or t.dtype} (the checkpoint's statistics multiply past the "
+                             "largest finite value); moeq stops rather than emit non-finite logits")
+
+
+class _Guard:
+    """A forward hook (a plain class, so models holding it still copy and pickle)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, module: nn.Module, args, kwargs, output):
+        out = _first(output)
+        if out is None or not out.is_floating_point() or bool(torch.isfinite(out).all()):
+            return None
+        inp = _first(args) if args else _first(kwargs.get("hidden_states", kwargs.get("inputs_embeds")))
+        if inp is not None and inp.is_floating_point() and not bool(torch.isfinite(inp).all()):
+            return None  # an earlier module's fault, reported there (or the caller's input)
+        check(out, self.name)
+        return None
+
+
+def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The embedding, the decoder layers and the final norm of a causal LM (by the usual transformers names)."""
+    found = []
+    for name, mod in model.named_modules():
+        last = name.rpartition(".")[2]
+        parent = name.rpartition(".")[0]
+        if last in ("embed_tokens", "wte", "norm", "final_layernorm") and parent.count(".") <= 1:
+            found.append((name, mod))
+        elif parent.endswith(("layers", "h")) and last.isdigit() and isinstance(mod, nn.Module):
+            found.append((name, mod))
+    return found
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Give ``model`` the checks (once): forward hooks on its embedding, decoder layers and final norm, and on the
+    model itself for the logits."""
+    if getattr(model, ATTR, False):
+        return model
+    for name, mod in _layers(model):
+        mod.register_forward_hook(_Guard(name), with_kwargs=True)
+    model.register_forward_hook(_Guard("the output head (logits)"), with_kwargs=True)
+    object.__setattr__(model, ATTR, True)
+    return model
