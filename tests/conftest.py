@@ -14,6 +14,15 @@ from moeq.arch import get_arch
 from moeq.convert import fill_experts_module
 from moeq.tiny import make_checkpoint
 
+HEAVY = ("isa", "packaging", "asan")  # the lanes that build native code or packages: also marked slow
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(m) for m in HEAVY):
+            item.add_marker(pytest.mark.slow)
+
+
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 

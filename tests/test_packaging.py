@@ -27,7 +27,7 @@ print("ok", moeq.__version__)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.packaging
 def test_wheel_installs_and_runs_native(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",

@@ -134,7 +134,7 @@ def _libasan() -> str | None:
 ASAN_METHODS = ("q4_0", "rtn-int4", "iq4nl-dq", "nl3", "q5_0", "q8_0", "rtn-int4-asym", "nf4", "int8")
 
 
-@pytest.mark.slow
+@pytest.mark.asan
 @pytest.mark.skipif(_libasan() is None, reason="the C compiler has no AddressSanitizer runtime")
 def test_matrix_under_asan(tmp_path):
     """The native-path matrix run against an AddressSanitizer build of the kernels: any write or read past a tensor's

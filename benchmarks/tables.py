@@ -1,0 +1,110 @@
+"""The README's headline tables, generated from the benchmark results in ``benchmarks/results/`` (never typed by
+hand). Each table sits in the README between ``<!-- table: NAME -->`` and ``<!-- /table -->``.
+
+    python benchmarks/tables.py --write README.md   # regenerate them
+    python benchmarks/tables.py --check README.md   # exit 1 when the README is out of date (a test runs this)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LABELS = {"q4_0": "Q4_0 experts + attention, bf16 head", "q4_0+head:q8_0": "Q4_0 experts + attention, Q8_0 head",
+          "rtn-int4+head:q8_0=q4_0+head:q8_0": "moeq `rtn-int4` + Q8_0 head; llama.cpp Q4_0 + Q8_0 head"}
+ACCURACY_ROWS = ["moeq q4_0-opt", "llama.cpp Q4_0 --pure", "moeq iq4nl", "llama.cpp IQ4_NL --pure", "moeq iq4nl-dq",
+                 "moeq iq4nl-m", "llama.cpp IQ4_NL (its mix)", "moeq nl3-m", "llama.cpp Q3_K_S (its mix)",
+                 "llama.cpp Q3_K_M (its mix)",
+                 "moeq q5_0-m", "llama.cpp Q4_K_M (its mix)", "moeq q8_0"]
+
+
+def _cell(llama: float, moeq: float) -> str:
+    return f"{llama:.1f} / {moeq:.1f} ({moeq / llama:.2f}x)"
+
+
+def _medians(d: dict, method: str, system: str, key: str) -> float | None:
+    vals = [r[system][key] for r in d["rounds"] if r["method"] == method and key in r.get(system, {})]
+    return statistics.median(vals) if vals else None
+
+
+def vs_llamacpp(name: str) -> str:
+    """Best round (and the median in brackets) of each system, per pairing, from a ``bench_vs_llamacpp.py`` run."""
+    d = json.loads((RESULTS / name).read_text())
+    cpu = d["cpu"]["model"]
+    keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "pp512"),
+            ("prefill2048_tps", "pp2048")]
+    head = "| weights (both engines) | " + " | ".join(f"{h}: llama.cpp / moeq tok/s" for _, h in keys) + " |"
+    lines = [f"{d['threads']} threads, {cpu} ({d['isa']} builds; `benchmarks/results/{name}`); best round, "
+             "median in brackets:", "", head, "|---" * (len(keys) + 1) + "|"]
+    for method, best in d["best"].items():
+        cells = []
+        for key, _ in keys:
+            lb, mb = best["llama.cpp"].get(key), best["moeq"].get(key)
+            if lb is None or mb is None:
+                cells.append("")
+                continue
+            lm, mm = _medians(d, method, "llama.cpp", key), _medians(d, method, "moeq", key)
+            cells.append(_cell(lb, mb) + (f" [{mm / lm:.2f}x]" if lm and mm else ""))
+        lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def accuracy(name: str = "accuracy_vs_llamacpp.json") -> str:
+    d = json.loads((RESULTS / name).read_text())
+    rows = {r["method"]: r for r in d["rows"]}
+    lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 reference PPL {d['ref_ppl']:.2f} "
+             f"(`benchmarks/results/{name}`):", "",
+             "| method | bits/weight | PPL | mean KL vs bf16 | top-1 agreement |", "|---|---|---|---|---|"]
+    for m in ACCURACY_ROWS:
+        r = rows.get(m)
+        if r is not None:
+            lines.append(f"| {m} | {r['bits_per_weight']:.3f} | {r['ppl']:.2f} | {r['mean_kl']:.4f} | "
+                         f"{100 * r['top1']:.1f}% |")
+    return "\n".join(lines)
+
+
+def exports(name: str = "exports.json") -> str:
+    d = json.loads((RESULTS / name).read_text())
+    lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 PPL {d['ref_ppl']:.2f} (`benchmarks/results/{name}`):",
+             "", "| method | export | loaded by | PPL moeq / export | KL export vs moeq |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        fmt = r["format"] + (f" {r['layout']}" if r.get("layout") else "")
+        lines.append(f"| {r['method']} | {fmt} | {r['consumer']} | {r['ppl_moeq']:.2f} / {r['ppl_export']:.2f} | "
+                     f"{r['kl_export_vs_moeq']:.3f} |")
+    return "\n".join(lines)
+
+
+TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
+          "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
+          "accuracy": accuracy, "exports": exports}
+BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def render(text: str) -> str:
+    return BLOCK.sub(lambda m: m[1] + TABLES[m[2]]() + "\n" + m[4], text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", metavar="FILE")
+    mode.add_argument("--check", metavar="FILE")
+    args = ap.parse_args()
+    path = Path(args.write or args.check)
+    text = path.read_text()
+    new = render(text)
+    if args.write:
+        path.write_text(new)
+        return 0
+    if new != text:
+        print(f"{path}: tables out of date; run python benchmarks/tables.py --write {path}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
