@@ -59,7 +59,7 @@ def dequantized_clone(qmodel):
     """A plain transformers model (built from qmodel's config) holding qmodel's weights dequantized."""
     import copy
 
-    from moeq.load_state import skeleton as _skeleton
+    from moeq.readers.state import skeleton as _skeleton
 
     cfg = copy.deepcopy(qmodel.config)
     dtype = next(p for p in qmodel.parameters() if p.is_floating_point()).dtype

@@ -1,5 +1,6 @@
 """The house rules of the package layout, checked from the source: no import cycles between moeq's modules, no module
-importing another's private names, and the bottom layers (errors, native, formats) importing nothing above them."""
+importing or reaching into another's private names (``from m import _x`` or ``m._x``), and the bottom layers (errors,
+native, formats) importing nothing above them."""
 import ast
 from pathlib import Path
 
@@ -14,7 +15,23 @@ def graph() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
     edges = {m: set() for m in mods}
     private = []
     for m, f in mods.items():
-        for node in ast.walk(ast.parse(f.read_text())):
+        tree = ast.parse(f.read_text())
+        aliases = {}  # local name -> the moeq module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moeq"):
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):  # attribute access: module._private from another module
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != m and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                private.append((m, f"{aliases[node.value.id]}.{node.attr}"))
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moeq"):
                 for a in node.names:
                     full = f"{node.module}.{a.name}"

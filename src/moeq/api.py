@@ -83,7 +83,7 @@ def set_activations(model: nn.Module, mode: str) -> dict[str, list[str]]:
     --activations int8``). Weights outside the int8 kernels (asymmetric RTN, NF4/FP4, 3/5-bit grids, LLM.int8) keep
     the default numerics; a warning names them. Prompts (more rows) always take the default path. Returns the module
     names per numerics."""
-    from moeq.kernels.moe_cpu import takes_int8  # noqa: PLC0415
+    from moeq.kernels.describe import takes_int8  # noqa: PLC0415
     from moeq.nn import QuantExperts, QuantLinear  # noqa: PLC0415
 
     if mode not in ACTIVATIONS:

@@ -88,7 +88,7 @@ def _quant_config(args):
 def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from moeq.ggufread import gguf_file
+    from moeq.readers.gguf import gguf_file
 
     try:
         g = gguf_file(Path(path))

@@ -1,6 +1,6 @@
 """What a quantized model records about itself: ``config.json``'s ``quantization_config`` for the moeq format
 (method, versions, rules and every quantized module's slots with their formats and metadata). Written for every
-model moeq builds or loads; :mod:`moeq.saved` reads it back."""
+model moeq builds or loads; :mod:`moeq.readers.saved` reads it back."""
 from __future__ import annotations
 
 from torch import nn

@@ -32,7 +32,7 @@ def _werr(w, q, weighting="x2"):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, bits, dtype):
     from moeq.export.gguf import ggml_blocks, ggml_type
-    from moeq.ggufread import _rtn_from_blocks
+    from moeq.readers.gguf import _rtn_from_blocks
 
     w = _weights(dtype=dtype)
     q = rtn.quantize(w, bits, 32, True, grid, search=5)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moeq.config import BNB4, RTN, Int8
-from moeq.kernels import cpu_ops, linear, reference
+from moeq.kernels import cpu_ops, linear, plans, reference
 
 
 CONFIGS = [RTN(4, 128), RTN(4, 32), RTN(8, 64), RTN(4, 128, symmetric=False), RTN(8, -1, symmetric=False),
@@ -32,8 +32,8 @@ def test_gemv_matches_reference(cfg, rows, dtype):
 
 def test_dispatch_declines_big_batches_and_3d_inputs():
     q = RTN(4, 64).quantize(torch.randn(32, 128))
-    assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.ROWS_SMALL_WEIGHT + 1, 128), None) is None  # dequant+AMX wins
-    assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.ROWS_SMALL_WEIGHT, 128), None) is not None
+    assert cpu_ops.rtn_gemv(q, torch.randn(plans.ROWS_SMALL_WEIGHT + 1, 128), None) is None  # dequant+AMX wins
+    assert cpu_ops.rtn_gemv(q, torch.randn(plans.ROWS_SMALL_WEIGHT, 128), None) is not None
     assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.MAX_ROWS + 1, 128), None, max_rows=999) is None
     x = torch.randn(2, 5, 128)  # [batch, seq, K] -> 10 rows: the reference path
     assert torch.allclose(linear(q, x), reference(q, x), atol=1e-5)

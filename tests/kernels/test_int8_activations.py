@@ -11,7 +11,7 @@ import torch
 import moeq
 from moeq import native
 from moeq.config import BNB4, RTN
-from moeq.kernels import cpu_ops, moe_cpu
+from moeq.kernels import cpu_ops, describe, moe_cpu, plans
 
 pytestmark = pytest.mark.skipif(not native.has_i8_dot(), reason="the int8-activation kernels need an AVX2 build")
 
@@ -56,7 +56,7 @@ def test_linear_equals_the_int8_numerics(cfg, k, m):
     default = mod(x).float()
     mod.activations = "int8"
     y = mod(x).float()
-    assert cpu_ops._linear_plan(mod)[0].act_i8 == 1
+    assert plans.linear_plan(mod).stack.act_i8 == 1
     want = emulate(mod.qweight.dequantize(torch.float32), x).float()
     # equal up to the fp32 summation order: at most one bf16 rounding apart, nearly everywhere bit-equal
     assert ((y - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
@@ -136,7 +136,8 @@ def test_moe_layer_equals_the_int8_numerics(cfg, t, dtype):
     x = torch.randn(t, h).to(dtype)
     idx = torch.stack([torch.randperm(e)[:a] for _ in range(t)])
     wts = torch.rand(t, a).to(dtype)
-    assert all(s.act_i8 == 1 for s in moe_cpu._plan(mod, dtype == torch.bfloat16))
+    plan = plans.experts_plan(mod, dtype == torch.bfloat16)
+    assert plan.w13.act_i8 == 1 and plan.w2.act_i8 == 1
     y = mod(x, idx, wts).float()
     d13, d2 = mod.w13.dequantize(torch.float32), mod.w2.dequantize(torch.float32)
     want = torch.zeros(t, h, dtype=torch.float64)
@@ -170,7 +171,7 @@ def test_formats_outside_the_kernels_keep_the_default_numerics(caplog):
     assert taken["int8"] == [str(len(cfgs))] and taken["default"] == [str(j) for j in range(len(cfgs))]
     assert "keep the default numerics" in caplog.text
     for m, b in zip(mods, before):
-        assert not moe_cpu.takes_int8(m.qweight) and torch.equal(m(x), b)
+        assert not describe.takes_int8(m.qweight) and torch.equal(m(x), b)
     with pytest.raises(moeq.MoeqError, match="activations must be one of"):
         moeq.set_activations(model, "int4")
 

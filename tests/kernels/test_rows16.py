@@ -9,7 +9,7 @@ import torch
 
 from moeq import native
 from moeq.config import RTN
-from moeq.kernels import cpu_ops
+from moeq.kernels import plans
 
 pytestmark = pytest.mark.skipif(
     native.lib() is None or native.lib().moeq_rows16_size(ctypes.byref(native.WStack(
@@ -41,7 +41,8 @@ def emulate_i8(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _run(mod, x: torch.Tensor) -> torch.Tensor:
     """The module's one-call native linear (``moeq_quant_linear_bf16``, as its forward and the decode step call it)
     at any row count up to 8 (the module's forward takes it up to its plan's limit: 4 rows for small weights)."""
-    stack, _, n, k = cpu_ops._linear_plan(mod)[:4]
+    plan = plans.linear_plan(mod)
+    stack, n, k = plan.stack, plan.n, plan.k
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     scratch = torch.empty(8 * (k + n) * 4 + n * k // 32 + 4096)
     native.lib().moeq_quant_linear_bf16(ctypes.byref(stack), x.data_ptr(), x.shape[0], None, y.data_ptr(),
@@ -69,21 +70,21 @@ def test_rows16_equals_the_numerics_and_the_row_major_kernels(cfg, n, k, act):
     for m in (1, 2, 3, 4, 8):
         x = (torch.randn(m, k) * torch.linspace(0.2, 3, m)[:, None]).bfloat16()
         x[0, 32:64] = 0  # an all-zero chunk
-        mod.__dict__.pop(cpu_ops.ROWS16, None)
+        plans.set_rows16(mod, False)
         row_major = _run(mod, x)
-        assert cpu_ops._linear_plan(mod)[0].rows16 is None
-        setattr(mod, cpu_ops.ROWS16, True)
+        assert plans.linear_plan(mod).stack.rows16 is None
+        plans.set_rows16(mod, True)
         y = _run(mod, x)
         if m <= 4:
             assert torch.equal(mod(x).float(), y)  # the module's forward: the same call
-        stack = cpu_ops._linear_plan(mod)[0]
+        stack = plans.linear_plan(mod).stack
         assert stack.rows16 and stack.rows16_layout == (2 if i8 else 1)
         want = emulate(w, x).float()
         # exact integer sums per 32 columns, fp32 accumulation: within a bf16 rounding, nearly all bit-equal
         assert ((y - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), (m, (y - want).abs().max())
         assert (y == want.bfloat16().float()).float().mean() > 0.97
         assert ((y - row_major).abs() <= row_major.abs() * 2 ** -7 + 1e-6).all()
-    mod.__dict__.pop(cpu_ops.ROWS16, None)
+    plans.set_rows16(mod, False)
 
 
 def test_rows16_layout_holds_every_code_and_scale():
@@ -117,8 +118,8 @@ def test_rows16_declines_what_it_does_not_hold():
     """More than 8 rows, a NaN in int8 mode, or a layout of the other numerics: the gemv writes nothing and returns
     0 (the row-major path runs)."""
     mod = _head(RTN(8, 32, grid="signed"), 64, 256, seed=1)
-    setattr(mod, cpu_ops.ROWS16, True)
-    stack = cpu_ops._linear_plan(mod)[0]
+    plans.set_rows16(mod, True)
+    stack = plans.linear_plan(mod).stack
     L = native.lib()
     x = torch.randn(9, 256)
     y = torch.full((9, 64), 5.0)

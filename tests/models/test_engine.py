@@ -21,7 +21,7 @@ def _own(model):
 
 def _steps(monkeypatch):
     calls = {"step": 0, "route": 0}
-    step, route = engine.Engine.step, decode._route
+    step, route = engine.Engine.step, decode.route
 
     def counted_step(self, *a):
         calls["step"] += 1
@@ -32,7 +32,7 @@ def _steps(monkeypatch):
         return route(*a)
 
     monkeypatch.setattr(engine.Engine, "step", counted_step)
-    monkeypatch.setattr(decode, "_route", counted_route)
+    monkeypatch.setattr(decode, "route", counted_route)
     return calls
 
 
@@ -80,7 +80,7 @@ def test_step_logits_match_the_models_own_steps(tiny_ckpt):
     cache = DynamicCache(config=m.config)
     with torch.no_grad():
         ref = m(ids[:, :6], cache=cache, use_cache=True).logits[:, -1]
-        assert decode._close(got0, ref)
+        assert decode.close(got0, ref)
         for i in range(6, 12):
             got = eng.step(md, ids[:, i].contiguous(), torch.tensor([i, i]), i + 1, None, state)
             ref = m(ids[:, i:i + 1], cache=cache, use_cache=True).logits[:, -1]
@@ -120,7 +120,7 @@ def test_a_q8_0_head_decodes_through_its_16_row_copy(tiny_ckpt, act, monkeypatch
     """An 8-bit head gets its decode copy by 16 output rows when the loop is installed (the head's forward and the
     native step share it: same tokens as transformers' generate on moeq's modules); without the loop, none."""
     from moeq.config import QuantConfig, method
-    from moeq.kernels import cpu_ops
+    from moeq.kernels import plans
 
     cfg = QuantConfig(method("q4_0"), rules={"lm_head": method("q8_0")})
     m = moeq.load(tiny_ckpt("qwen3_moe"), quant=cfg, progress=False)
@@ -130,13 +130,13 @@ def test_a_q8_0_head_decodes_through_its_16_row_copy(tiny_ckpt, act, monkeypatch
     kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
     fast = m.generate(ids, **kw)
     assert calls["step"] == 7
-    stack = cpu_ops._linear_plan(m.lm_head)[0]
+    stack = plans.linear_plan(m.lm_head).stack
     if native.lib().moeq_rows16_size(stack):
         assert stack.rows16 and stack.rows16_layout == (2 if act == "int8" and native.i8_level() >= 2 else 1)
     assert torch.equal(fast, type(m).generate(m, ids, **kw))
     m.__dict__.pop("generate")
-    m.lm_head.__dict__.pop(cpu_ops.ROWS16)
-    assert cpu_ops._linear_plan(m.lm_head)[0].rows16 is None
+    plans.set_rows16(m.lm_head, False)
+    assert plans.linear_plan(m.lm_head).stack.rows16 is None
 
 
 @pytest.mark.parametrize("kw", [dict(do_sample=True), dict(num_beams=2), dict(output_scores=True,

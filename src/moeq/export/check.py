@@ -61,7 +61,7 @@ def consumer_kl(model: nn.Module, written: Path, format: str, layout: str, ids: 
 
         return mean_kl(model, AutoModelForCausalLM.from_pretrained(written).eval(), ids)
     if format == "gguf":  # the GGUF's own weights, read back exactly (llama.cpp itself is checked in the tests)
-        from moeq import ggufread  # noqa: PLC0415
+        from moeq.readers import gguf  # noqa: PLC0415
 
-        return mean_kl(model, ggufread.load(written), ids)
+        return mean_kl(model, gguf.load(written), ids)
     return None

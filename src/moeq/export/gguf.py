@@ -291,7 +291,7 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_name(model_name(model))
     w.add_string(MOEQ_KEY, __version__)  # marks the file as moeq's (what --overwrite may replace)
     hf = {k: v for k, v in cfg.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
-    w.add_string(HF_CONFIG_KEY, json.dumps(hf))  # moeq reads its GGUF files back (moeq.ggufread)
+    w.add_string(HF_CONFIG_KEY, json.dumps(hf))  # moeq reads its GGUF files back (moeq.readers.gguf)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)

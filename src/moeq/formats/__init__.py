@@ -13,7 +13,7 @@ Adding a format (what rtn.py, bnb4.py and int8.py each follow):
    ``METHODS``.
 4. Optional fast paths, each one registry line per backend: a CPU gemv (``@register(fmt)`` in
    :mod:`moeq.kernels.cpu_ops`), a native weight description for the fused MoE kernels (``@describer(fmt)`` in
-   :mod:`moeq.kernels.moe_cpu`; its C in ``moeq/native/csrc`` with an ``enum moeq_fmt`` entry mirrored by
+   :mod:`moeq.kernels.describe`; its C in ``moeq/native/csrc`` with an ``enum moeq_fmt`` entry mirrored by
    ``moeq.native.Fmt``), a Triton layout (``@layout(fmt)`` in :mod:`moeq.kernels.triton_moe`). Without them the
    format runs through dequantize + matmul.
 5. Exporters: each exporter's ``SUPPORTS`` and ``_check`` say which formats it takes; add the format where the

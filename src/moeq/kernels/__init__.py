@@ -62,8 +62,10 @@ def _reference_chunked(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
-           buf: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    for k in kernels_for(w.format):
+           buf: torch.Tensor | None = None, out: torch.Tensor | None = None, kernels=None) -> torch.Tensor:
+    """``x @ w.T + bias`` through the first of ``kernels`` (a module's route, decided once; default: the format's
+    registered kernels) that takes it, else :func:`reference`."""
+    for k in kernels_for(w.format) if kernels is None else kernels:
         y = k(w, x, bias)
         if y is not None:
             return y if out is None else out.copy_(y)

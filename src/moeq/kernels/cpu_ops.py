@@ -13,21 +13,10 @@ from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
 from moeq.formats.rtn import CODEBOOKS
 from moeq import native
 from moeq.kernels.registry import register
-from moeq.kernels.moe_cpu import codebook_of, codebook_tables, describe, il16_dequant
-from moeq.native import Fmt
-
-MAX_ROWS = 64  # what the kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
-# Measured crossover vs dequantize + AMX bf16 matmul (benchmarks in README): the gemv costs ~linear in rows, the
-# dequantize ~linear in weight size — cheap while the weight is cache-sized, memory-bound for lm_head-sized ones.
-ROWS_SMALL_WEIGHT = 4
-ROWS_LARGE_WEIGHT = 24
-LARGE_WEIGHT = 1 << 25  # elements
-ROWS16 = "_moeq_rows16"  # a module attribute: True gives its plan the decode copy by 16 rows (set on decode heads)
-
-
-def rows_limit(w) -> int:
-    return ROWS_LARGE_WEIGHT if w.numel >= LARGE_WEIGHT else ROWS_SMALL_WEIGHT
-
+from moeq.kernels.describe import codebook_of, codebook_tables
+from moeq.kernels.moe_cpu import il16_dequant
+from moeq.kernels.plans import LINEAR_MAX_ROWS as MAX_ROWS
+from moeq.kernels.plans import linear_plan, rows_limit
 
 def _rows(w, x: torch.Tensor, limit: int | None):
     k = w.shape[-1]
@@ -120,49 +109,6 @@ def _codebook_gemv(L, table: str, w: RTNWeight, x: torch.Tensor, m: int, n: int,
     return _finish(y, x, n, bias)
 
 
-def _linear_plan(module) -> tuple | None:
-    """A quantized linear's weight described for ``moeq_quant_linear_bf16`` (and its scratch size), built once and
-    reused while its buffers stay the same tensors (``.to()``, reloading or re-quantizing replaces them and so
-    rebuilds the plan); None when the weight is outside the native formats. A module marked with
-    :data:`ROWS16` (the native decode engine's head) also gets its decode copy (:func:`_attach_rows16`)."""
-    bias = module.bias
-    act = getattr(module, "activations", "default") == "int8"
-    r16 = bool(getattr(module, ROWS16, False))
-    key = tuple(b.data_ptr() for b in module._buffers.values() if b is not None) + (
-        None if bias is None else (bias.data_ptr(), bias.dtype), act, r16)
-    slot = native.plan_slot(module, "_linear_plan")
-    if slot.value is not None and slot.value[0] == key:
-        return slot.value[1]
-    w, keep, il16 = module.packed("weight", raw=True), [], module.il16("weight")
-    stack = describe(w, keep, dot_bf16=True, act_i8=act, il16=il16) if len(w.shape) == 2 else None
-    plan = None
-    if stack is not None and (bias is None or (bias.dtype == torch.bfloat16 and native.usable(bias))):
-        n, k = w.shape
-        extra = n * k // stack.gs if stack.fmt == Fmt.BNB4 else 0  # NF4/FP4: the block scales, resolved per call
-        plan = (stack, keep, n, k, min(MAX_ROWS, rows_limit(w)), 2 * k + k // 16 + 1, extra)
-        if r16:
-            _attach_rows16(stack, keep)
-    slot.value = (key, plan)
-    return plan
-
-
-def _attach_rows16(stack, keep: list) -> None:
-    """Give an 8-bit symmetric weight's description a second copy of its codes interleaved by 16 output rows
-    (``native/csrc/rows16.c``), in the layout of the numerics it runs (int8 activations or the default), which its
-    gemv then takes at up to 8 rows: 1.2-3x the row-major kernel on a 151936x2048 Q8_0 head. Costs the weight's
-    size again in memory, so moeq builds it for the output head only. Nothing is attached where the build has no
-    such kernel or the weight is outside its domain."""
-    L = native.lib()
-    size = L.moeq_rows16_size(ctypes.byref(stack)) if L is not None else 0
-    if size <= 0:
-        return
-    buf = torch.empty(size, dtype=torch.uint8)
-    layout = 2 if stack.act_i8 else 1
-    if L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
-        stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
-        keep.append(buf)
-
-
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the many-row matmuls of a ``dtype`` model run in: fp32 for bf16 on CPUs without native bf16 GEMM
     (:func:`moeq.native.fast_bf16_matmul`), else ``dtype``."""
@@ -175,11 +121,11 @@ def il16_linear(module, x: torch.Tensor) -> torch.Tensor | None:
     prompt): the weight dequantized natively from il16 (the row-major dequantizers' values), then one matmul as
     :func:`moeq.kernels.reference` computes it. None for non-bf16 activations (the caller takes the row-major
     weight)."""
-    plan = _linear_plan(module)
+    plan = linear_plan(module)
     if plan is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
     bias, cd = module.bias, matmul_dtype(x.dtype, x.device)
-    wd = il16_dequant(plan[0], 0, cd)
+    wd = il16_dequant(plan.stack, 0, cd)
     if cd != x.dtype:
         return F.linear(x.to(cd), wd, None if bias is None else bias.to(cd)).to(x.dtype)
     return F.linear(x, wd, bias)
@@ -192,19 +138,17 @@ def quant_linear_bf16(module, x: torch.Tensor) -> torch.Tensor | None:
     for bf16 values within 2^7 of their chunk's largest) or fp32 (NF4/FP4)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not native.has_simd():
         return None
-    plan = _linear_plan(module)
-    if plan is None or x.shape[-1] != plan[3]:
+    plan = linear_plan(module)
+    if plan is None or x.shape[-1] != plan.k:
         return None
-    stack, _, n, k, limit, per_row, extra = plan
-    m = x.numel() // k
-    if not 0 < m <= limit:
+    m = x.numel() // plan.k
+    if not 0 < m <= plan.max_rows:
         return None
     x = x if x.is_contiguous() else x.contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    scratch = torch.empty(m * (k + n + per_row) + extra + 64)
-    bias = module.bias
-    native.lib().moeq_quant_linear_bf16(ctypes.byref(stack), native.ptr(x), native.i64(m), native.ptr(bias), native.ptr(y),
-                                     native.ptr(scratch))
+    y = torch.empty(*x.shape[:-1], plan.n, dtype=torch.bfloat16)
+    scratch = plan.scratch(m)
+    native.lib().moeq_quant_linear_bf16(ctypes.byref(plan.stack), native.ptr(x), native.i64(m), native.ptr(module.bias),
+                                        native.ptr(y), native.ptr(scratch))
     return y
 
 

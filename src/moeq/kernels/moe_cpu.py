@@ -3,162 +3,14 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from moeq import native
-from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
-from moeq.formats.rtn import CODEBOOK_BITS, CODEBOOKS, grid_values, native_values
-from moeq.kernels.registry import by_format
+from moeq.kernels.plans import MOE_MAX_ROWS, experts_plan
 from moeq.native import Fmt, WStack
 
-MAX_ROWS = 8  # more rows per expert: dequantize + AMX bf16 matmul wins (measured)
-
-
-# how the native kernels read packed weights of each format (one function per format)
-_DESCRIBERS, describer = by_format("native weight description")
-
-
-def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool = False,
-             il16: bool = False) -> WStack | None:
-    """Describe an expert stack ``[E, N, K]`` (or one weight ``[N, K]``) for the native kernels, or None outside their
-    formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
-    may take activations as bf16 (AVX512-BF16 dot products) or, on AVX2 builds, RTN and codebook grids as int16
-    (``moeq_avx2_gemv_i16``). ``act_i8``: decode with int8 activations where :func:`takes_int8` (the explicit
-    ``activations="int8"`` option)."""
-    fn = _DESCRIBERS.get(w.format)
-    if fn is None or len(w.shape) not in (2, 3):
-        return None
-    e = w.shape[0] if len(w.shape) == 3 else 1
-    n, k = w.shape[-2:]
-    stack = fn(w, e, n, k, keep, dot_bf16)
-    if stack is not None:
-        stack._experts = e  # for the Python-side bounds checks (not a field the C side reads)
-    if stack is not None and act_i8 and not il16:
-        stack.act_i8 = int(takes_int8(w))
-    if stack is not None and il16:  # w's codes and scales are in the il16 layout: only its kernels may read them
-        stack.il16 = 1
-        if not stack.lut:  # the symmetric 4-bit grids: value = scale * (q - 8), read through the signed table
-            values, lut = codebook_tables("signed")
-            keep += [values, lut]
-            stack.lut, stack.values = lut.data_ptr(), values.data_ptr()
-    return stack
-
-
-def il16_takes(module, slots: tuple[str, ...]) -> bool:
-    """Whether a quantized module's weights (``slots``: QuantExperts' two stacks, QuantLinear's weight) can be held in
-    the il16 decode layout: bf16 RTN weights on CPU inside ``moeq_il16_takes``' domain (AVX512-BF16 builds; AVX2
-    builds at groups of a multiple of 32)."""
-    L = native.lib()
-    if L is None:
-        return False
-    keep: list = []
-    for slot in slots:
-        w = module.packed(slot, raw=True)
-        if not isinstance(w, RTNWeight) or w.dtype != torch.bfloat16 or w.qdata.device.type != "cpu":
-            return False
-        stack = describe(w, keep, dot_bf16=True, il16=True)
-        if stack is None or not L.moeq_il16_takes(ctypes.byref(stack)):
-            return False
-    return True
-
-
-def takes_int8(w: PackedWeight) -> bool:
-    """The int8-activation kernels (``moeq/native/csrc/i8.c``) take ``w``: RTN 4-bit symmetric (Q4_0, vLLM's int4) or
-    a 4-bit codebook with integer values in [-127, 127] (IQ4_NL), and on AVX512-VNNI builds 8-bit symmetric RTN
-    (Q8_0; fp32 or bf16 scales); groups of 32 or multiples of 64, K % 32 == 0."""
-    if not native.has_i8_dot() or not isinstance(w, RTNWeight) or w.zero is not None or len(w.shape) not in (2, 3):
-        return False
-    k = w.shape[-1]
-    gs = k if w.group_size == -1 else w.group_size
-    if k % 32 or not (gs == 32 or (gs % 64 == 0 and k % gs == 0)):
-        return False
-    if w.bits == 8:
-        return (native.i8_level() >= 2 and w.grid not in CODEBOOKS and w.scale_super is None
-                and w.scale.dtype in (torch.float32, torch.bfloat16))
-    if w.bits != 4:
-        return False
-    table = codebook_of(w, gs)
-    if table is None or table == "signed":
-        return True
-    values = codebook_tables(table)[0][:16]
-    return bool((values == values.round()).all() and values.abs().max() <= 127)
-
-
-@describer("rtn")
-def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
-    gs = k if w.group_size == -1 else w.group_size
-    table = codebook_of(w, gs)
-    small = gs == 16 and table is not None  # codebooks at group 16 (AVX512-BF16 rows; AVX2: the 3-bit ones)
-    if (w.bits not in (4, 8) and table is None) or (gs % 32 and not small) or w.scale.dtype not in (
-            torch.bfloat16, torch.float32, torch.int8):
-        return None
-    if (w.scale_super is not None) != (w.scale.dtype == torch.int8) or (
-            w.scale_super is not None and table is None):  # int8 scale codes: the codebook rows only
-        return None
-    if not native.usable(w.qdata, w.scale, w.zero, w.scale_super):
-        return None
-    ng = e * n * (k // gs)
-    native.fits((w.qdata, e * n * (k * w.bits // 8)), (w.scale, ng * w.scale.element_size()), (w.zero, ng),
-                (w.scale_super, e * n * 2))
-    keep += [w.qdata, w.scale, w.zero, w.scale_super]
-    values = lut = None
-    if table is not None:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k (16:
-        # AVX512-BF16, and on AVX2 the 3-bit rows; the other AVX2 rows scale whole 32-chunks)
-        values, lut = codebook_tables(table)
-        keep += [values, lut]
-        dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0 or (small and (
-            native.has_dpbf16() or w.bits == 3)))  # AVX2: its 3-bit rows take group 16
-    return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
-                  scale_bf16=w.scale_kind, absmax_u8=0, zero=native.ptr(w.zero), bits=w.bits, gs=gs, spe=1, N=n, K=k,
-                  values=native.ptr(values), lut=native.ptr(lut), scale_super=native.ptr(w.scale_super))
-
-
-def codebook_of(w: RTNWeight, gs: int) -> str | None:
-    """Which table the codebook kernels read ``w`` with, or None for the RTN kernels: the codebook grids, and the
-    symmetric 4-bit grids (value = scale * (q - 8)) at group 32 — llama.cpp's Q4_0 blocks, where the codebook rows
-    (no zero-point term, two scales per 64-chunk) beat the RTN rows (decode b4 1.3x on the bench model, measured;
-    at group 128 the two were within noise, so the RTN rows stay)."""
-    if w.grid in CODEBOOKS:
-        return w.grid
-    if w.bits == 4 and w.zero is None and gs == 32:
-        return "signed"
-    if w.bits == 5 and w.zero is None:  # the 5-bit grids only run as codebooks (value = scale * (q - 16))
-        return "signed5"
-    return None
-
-
-@functools.cache
-def codebook_tables(grid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A codebook's values (fp32, :func:`~moeq.formats.rtn.native_values`: 16, or 32 for ``signed5``) and, for the
-    AVX512-BF16 kernels, as 32 bf16 words (the table repeated: 16 values twice, 8 values four times)."""
-    table = grid_values("signed", 5) if grid == "signed5" else grid_values(grid)
-    values = native_values("signed", 5) if grid == "signed5" else native_values(grid, CODEBOOK_BITS.get(grid, 4))
-    lut = torch.tensor(table, dtype=torch.float32).to(torch.bfloat16).view(torch.int16)
-    return values, lut.repeat(32 // lut.numel()).contiguous()
-
-
-@describer("bnb4")
-def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
-    spe = w.slices // e if w.slices % e == 0 else 0
-    if spe == 0 or k % w.blocksize or w.blocksize % 32 or (n * k // spe) % w.blocksize:
-        return None
-    code = w.code.float().contiguous()
-    tensors = [w.packed, w.absmax, code, w.offset, w.nested_absmax, w.nested_code]
-    if not native.usable(*tensors):
-        return None
-    dq = w.offset is not None
-    nb = e * n * k // w.blocksize
-    native.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
-    if dq:
-        native.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
-                    (w.nested_absmax, w.slices * -(-(nb // w.slices) // 256) * 4))
-    keep += tensors
-    return WStack(fmt=Fmt.BNB4, dot_bf16=int(dot_bf16 and w.blocksize % 64 == 0), q=w.packed.data_ptr(),
-                  scale=w.absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
-                  code=code.data_ptr(), offset=native.ptr(w.offset), nested_absmax=native.ptr(w.nested_absmax),
-                  nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
+MAX_ROWS = MOE_MAX_ROWS  # more rows per expert: dequantize + AMX bf16 matmul wins (measured)
 
 
 def moe_forward(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torch.Tensor,
@@ -169,10 +21,10 @@ def moe_forward(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torc
     if L is None or x.device.type != "cpu" or max(counts) > MAX_ROWS:
         return None
     dot = x.dtype == torch.bfloat16 and native.has_simd()
-    stacks = _plan(module, dot, act=False)
-    if stacks is None:
+    plan = experts_plan(module, dot, act=False)
+    if plan is None:
         return None
-    s13, s2 = stacks
+    s13, s2 = plan.w13, plan.w2
     w13 = module.packed("w13", raw=True)
     e, two_i, h = w13.shape
     i = two_i // 2
@@ -215,23 +67,6 @@ def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:
     return torch.empty(8 * h * 2 + 8 * 3 * i + 2 * 8 * kmax + 8 * (kmax // 16 + 1) + nmax * kmax // 32 + 64)
 
 
-def _plan(module, dot: bool, act: bool | None = None) -> tuple[WStack, WStack] | None:
-    """The module's two stacks described for the kernel as held (row-major or il16), built once and reused while
-    its buffers stay the same tensors (``.to()``, reloading, re-quantizing or a layout change replace them and so
-    rebuild the plan) and its ``activations`` option the same (``act``: int8 activations, default the module's)."""
-    act = getattr(module, "activations", "default") == "int8" if act is None else act
-    key = (dot, act, tuple(b.data_ptr() for b in module._buffers.values() if b is not None))
-    slot = native.plan_slot(module, "_moe_plan")
-    plan = slot.value
-    if plan is None or plan[0] != key:
-        keep: list = []
-        stacks = tuple(describe(module.packed(s, raw=True), keep, dot, act, il16=module.il16(s)) for s in ("w13", "w2"))
-        if any(st is not None and st.il16 and not st.dot_bf16 for st in stacks):
-            stacks = (None, None)  # il16 codes only have bf16-activation kernels
-        plan = slot.value = (key, None if None in stacks else stacks, keep)
-    return plan[1]
-
-
 def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
     """A decode step's whole MoE layer from the router's output ``top_k_index/top_k_weights [T, A]`` in one native
     call (pairs grouped by expert inside), or None when outside the kernel's domain (then the caller groups the pairs
@@ -240,10 +75,10 @@ def moe_routed(module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     t, a = top_k_index.shape
     if L is None or x.device.type != "cpu" or t > MAX_ROWS:
         return None
-    stacks = _plan(module, x.dtype == torch.bfloat16 and native.has_simd())
-    if stacks is None:
+    plan = experts_plan(module, x.dtype == torch.bfloat16 and native.has_simd())
+    if plan is None:
         return None
-    s13, s2 = stacks
+    s13, s2 = plan.w13, plan.w2
     xf = x.float().contiguous()
     idx = top_k_index.to(torch.int64).contiguous()
     wts = top_k_weights.float().contiguous()
@@ -266,10 +101,10 @@ def moe_prefill(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torc
     L = native.lib()
     if L is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not native.has_dpbf16():
         return None
-    stacks = _plan(module, True)
-    if stacks is None:
+    plan = experts_plan(module, True)
+    if plan is None:
         return None
-    s13, s2 = stacks
+    s13, s2 = plan.w13, plan.w2
     t, h = x.shape
     xb = x.contiguous()
     starts, tok, wts = _grouped(token_of, weight_of, counts)
@@ -284,7 +119,8 @@ def moe_prefill(module, x: torch.Tensor, token_of: torch.Tensor, weight_of: torc
 
 def held_stacks(module) -> tuple[WStack, WStack] | None:
     """A QuantExperts' two stacks described as held (row-major or il16) for the bf16 kernels, default activations."""
-    return _plan(module, True, act=False)
+    plan = experts_plan(module, True, act=False)
+    return None if plan is None else (plan.w13, plan.w2)
 
 
 def il16_dequant(stack: WStack, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -349,7 +349,7 @@ def i64(v: int) -> int:
     return int(v)
 
 
-def func(name: str, argtypes: list | None = None):
+def func(name: str):
     """A typed export of the library (its types come from :data:`ABI`)."""
     return getattr(lib(), name)
 

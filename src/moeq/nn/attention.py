@@ -14,7 +14,6 @@ runs ``sdpa`` to it.
 """
 from __future__ import annotations
 
-import ctypes
 
 import torch
 from torch import nn
@@ -67,10 +66,6 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype), None
 
 
-_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
-
-
 def additive_mask(mask: torch.Tensor | None, b: int, s: int) -> torch.Tensor | None | bool:
     """A one-query step's attention mask as additive fp32 ``[b, s]`` (None: no mask), or False when it is not one row
     per sequence over the ``s`` keys (per-head masks and the like keep the torch path)."""
@@ -96,7 +91,7 @@ def _native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         return None
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16)
-    native.func("moeq_attn_decode_bf16", _ARGS)(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+    native.func("moeq_attn_decode_bf16")(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                               None if add is None else add.data_ptr(), b, hq, hkv, s, d, scale,
                                               out.data_ptr())
     return out

@@ -27,9 +27,6 @@ from moeq.nn import attention, bf12
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 64
-_NORM_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
-_ROPE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-_GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
 
 def _small_bf16(x: torch.Tensor, weight: torch.Tensor, n: int) -> bool:
@@ -47,7 +44,7 @@ def rms_norm(module: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | N
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty_like(x)
-    native.func("moeq_rmsnorm_bf16", _NORM_ARGS)(x.data_ptr(), w.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
+    native.func("moeq_rmsnorm_bf16")(x.data_ptr(), w.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
     return y
 
 
@@ -58,7 +55,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    gemv = native.func("moeq_bf16_gemv", _GEMV_ARGS)
+    gemv = native.func("moeq_bf16_gemv")
     if not gemv(x.data_ptr(), x.numel() // k, weight.data_ptr(), n, k, y.data_ptr()):
         return None
     return y
@@ -98,7 +95,7 @@ def _top_k(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return values.to(logits.dtype) if cast else values, indices
 
 
-def _route(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_top_k` as the native MoE step takes it: fp32 weights (the router's values, exactly) and int64 indices."""
     values, indices = _top_k(mod, logits)
     return values.float().contiguous(), indices.contiguous()
@@ -107,7 +104,7 @@ def _route(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 HEAD_MAX_ROWS = 4  # the gemv re-reads each weight row from L1 per x row: past ~4 rows torch's GEMM wins (measured)
 
 
-class _Head:
+class HeadForward:
     """A bf16 output head (``nn.Linear`` without bias, e.g. the lm_head the default policy keeps, or tied
     embeddings) for up to :data:`HEAD_MAX_ROWS` rows as one native gemv at memory speed; torch's CPU bf16 gemv reads
     a 150k-row head several times slower. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
@@ -139,7 +136,7 @@ def _untied(model: nn.Module, head: nn.Linear) -> bool:
     return not getattr(cfg, "tie_word_embeddings", False) and not shared
 
 
-def _try_head(model: nn.Module) -> bool:
+def try_head(model: nn.Module) -> bool:
     """The bf16 head's native forward: held in bf12 (:class:`~moeq.nn.bf12.Bf12Linear`, 3/4 of the bytes, the same
     weights) when it is untied from the embeddings and ``K % 128 == 0``, else the bf16 gemv on its own weight."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -157,7 +154,7 @@ def _try_head(model: nn.Module) -> bool:
                 return True
         if not _head_close(bf16_linear(x, head.weight), ref):
             return False
-    head.forward = types.MethodType(_Head.forward, head)
+    head.forward = types.MethodType(HeadForward.forward, head)
     return True
 
 
@@ -165,7 +162,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place, one token: ``x [B, 1, H, D]`` (contiguous bf16) = x cos + rotate_half(x) sin, ``cos/sin [B, 1, D]``,
     with torch's bf16 rounding of each product and of the sum."""
     b, _, h, d = x.shape
-    native.func("moeq_rope_bf16", _ROPE_ARGS)(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
+    native.func("moeq_rope_bf16")(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
 
 
 class _Attention:
@@ -206,7 +203,7 @@ def _probe(n: int, rows: int = 4) -> torch.Tensor:
     return (torch.randn(rows, n, generator=g) * torch.linspace(0.1, 3.0, rows)[:, None]).bfloat16()
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to one bf16 rounding (summation order may differ from torch's)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -229,7 +226,7 @@ def _try_norm(mod: nn.Module, eps: float) -> bool:
     x = _probe(mod.weight.shape[0])
     with torch.no_grad():
         got, ref = rms_norm(mod, x, eps), type(mod).forward(mod, x)
-    if got is None or not _close(got, ref):
+    if got is None or not close(got, ref):
         del mod._moeq_eps
         return False
     mod.forward = types.MethodType(_Norm.forward, mod)  # a bound method: deepcopy rebinds it to the copy
@@ -252,7 +249,7 @@ def _try_router(mod: nn.Module) -> bool:
             for cast in (True, False):
                 mod._moeq_router = (renorm, cast)
                 got = _Router.forward(mod, x)
-                if (torch.equal(got[2], ref[2]) and _close(got[0], ref[0]) and got[1].dtype == ref[1].dtype
+                if (torch.equal(got[2], ref[2]) and close(got[0], ref[0]) and got[1].dtype == ref[1].dtype
                         and torch.allclose(got[1].float(), ref[1].float(), rtol=2.0 ** -7, atol=1e-6)):
                     mod.forward = types.MethodType(_Router.forward, mod)
                     return True
@@ -299,7 +296,7 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError) as e:
         log.debug("%s keeps its own forward: %s", type(mod).__name__, e)
         got = ref = None
-    if got is None or not _close(got, ref):
+    if got is None or not close(got, ref):
         del mod._moeq_qk_norm
         return False
     mod.forward = types.MethodType(_Attention.forward, mod)
@@ -309,18 +306,19 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
 MAX_LAYER_ROWS = 8  # the MoE kernel's rows per expert: B tokens of one step route each expert at most B times
 
 
-def _layer_plan(mod: nn.Module):
+def layer_plan(mod: nn.Module):
     """The decoder layer described for ``moeq_layer_pre/attn/moe`` (``native.Layer``, tensors kept alive), built once
     and reused while the layer's weights stay the same tensors; None when a part is outside the native forms."""
-    from moeq.kernels import cpu_ops, moe_cpu  # noqa: PLC0415
+    from moeq.kernels import plans as native_plans  # noqa: PLC0415
 
     attn, mlp = mod.self_attn, mod.mlp
     projs = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    plans = [cpu_ops._linear_plan(p) if hasattr(p, "qweight") else None for p in projs]  # biases: bf16 (the plan's)
-    stacks = moe_cpu._plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native" else None
-    if None in plans or stacks is None:
+    plans = [native_plans.linear_plan(p) if hasattr(p, "qweight") else None for p in projs]  # biases: bf16
+    experts = (native_plans.experts_plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native"
+               else None)
+    if None in plans or experts is None:
         return None
-    key = tuple((pl[0].q, pl[0].act_i8) for pl in plans) + tuple((s.q, s.act_i8) for s in stacks)
+    key = tuple(map(id, plans)) + (id(experts),)  # the parts' plans: rebuilt only when one of them is
     slot = native.plan_slot(mod, "_moeq_layer_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
@@ -329,7 +327,7 @@ def _layer_plan(mod: nn.Module):
     renorm, cast = router._moeq_router
     ln1, ln2 = mod.input_layernorm, mod.post_attention_layernorm
     biases = [None if p.bias is None else p.bias.data_ptr() for p in projs]
-    keep = [ln1.weight, ln2.weight, router.weight, plans, stacks, [p.bias for p in projs]]
+    keep = [ln1.weight, ln2.weight, router.weight, plans, experts, [p.bias for p in projs]]
     cfg = native.Layer(
         bq=biases[0], bk=biases[1], bv=biases[2], bo=biases[3],
         ln1=ln1.weight.data_ptr(), ln2=ln2.weight.data_ptr(), router=router.weight.data_ptr(),
@@ -338,12 +336,12 @@ def _layer_plan(mod: nn.Module):
         scale=float(attn.scaling), H=router.weight.shape[1], Hq=projs[0].out_features // attn.head_dim,
         Hkv=projs[1].out_features // attn.head_dim, D=attn.head_dim, E=router.weight.shape[0], topk=router.top_k,
         renorm=int(renorm), cast=int(cast), qk_full=int(attn._moeq_qk_norm == "full"),
-        q=plans[0][0], k=plans[1][0], v=plans[2][0], o=plans[3][0], w13=stacks[0], w2=stacks[1])
+        q=plans[0].stack, k=plans[1].stack, v=plans[2].stack, o=plans[3].stack, w13=experts.w13, w2=experts.w2)
     slot.value = (key, (cfg, keep))
     return slot.value[1]
 
 
-class _Layer:
+class LayerForward:
     """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE style) as three native calls —
     norms, projections, q/k norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router
     logits; then, after the router's own top-k in torch (its tie order; and Qwen2-MoE's gated shared expert through
@@ -366,12 +364,12 @@ class _Layer:
                 or cos.dtype != torch.bfloat16 or cos.shape != (b, 1, attn.head_dim) or named.get("output_attentions")):
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         layers = getattr(cache, "layers", None)
-        full = isinstance(layers, list) and attn.layer_idx < len(layers) and type(layers[attn.layer_idx]) is _full_layer()
+        full = isinstance(layers, list) and attn.layer_idx < len(layers) and type(layers[attn.layer_idx]) is full_layer()
         if not full:  # a static, sliding-window or quantized cache: its update returns other shapes
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         s = cache.get_seq_length(attn.layer_idx) + 1
         add = attention.additive_mask(attention_mask, b, s)
-        plan = _layer_plan(mod) if add is not False else None
+        plan = layer_plan(mod) if add is not False else None
         if plan is None:
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         cfg = plan[0]
@@ -395,7 +393,7 @@ class _Layer:
                              None if add is None else add.data_ptr(), r1.data_ptr(), n2.data_ptr(), logits.data_ptr()):
             raise MoeqError(f"layer {attn.layer_idx}: out of memory in the native decode step")
         mlp = mod.mlp
-        weights, idx = _route(mlp.gate, logits)  # the router's own top-k (torch's tie order)
+        weights, idx = route(mlp.gate, logits)  # the router's own top-k (torch's tie order)
         extra = None
         if hasattr(mlp, "shared_expert"):  # Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h), its modules
             shared = mlp.shared_expert(n2)
@@ -408,21 +406,21 @@ class _Layer:
         return out
 
 
-def _full_layer() -> type:
+def full_layer() -> type:
     from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
 
     return DynamicLayer
 
 
 def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
-    """Install :class:`_Layer` on a decoder layer whose parts already run natively (norms, attention, router, experts,
+    """Install :class:`LayerForward` on a decoder layer whose parts already run natively (norms, attention, router, experts,
     quantized projections with bf16 biases or none) where it reproduces the layer's own decode step on a probe: three
     tokens of prefill, then one step at position 3, each against its own cache."""
     from transformers import DynamicCache  # noqa: PLC0415
 
     attn, mlp = getattr(mod, "self_attn", None), getattr(mod, "mlp", None)
     ln1, ln2 = getattr(mod, "input_layernorm", None), getattr(mod, "post_attention_layernorm", None)
-    if (rotary is None or not type(mod).__name__.endswith("DecoderLayer") or attn is None or mlp is None
+    if (rotary is None or attn is None or mlp is None
             or "forward" not in getattr(attn, "__dict__", {}) or getattr(attn, "_moeq_qk_norm", None) is None
             or any(not hasattr(n, "_moeq_eps") for n in (ln1, ln2) if n is not None) or ln1 is None or ln2 is None
             or not hasattr(getattr(mlp, "gate", None), "_moeq_router") or not hasattr(mlp, "experts")
@@ -439,7 +437,7 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
     if hasattr(mlp, "shared_expert_gate") and not (type(mlp.shared_expert_gate) is nn.Linear
                                                    and mlp.shared_expert_gate.out_features == 1):
         return False
-    if _layer_plan(mod) is None:
+    if layer_plan(mod) is None:
         return False
     params = list(inspect.signature(type(mod).forward).parameters)[2:]  # after self, hidden_states
     mod._moeq_layer_args = tuple(p for p in params if p not in ("args", "kwargs"))
@@ -458,16 +456,23 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
             for c in caches:
                 step(type(mod).forward, slice(0, 3), c)
             ref = step(type(mod).forward, slice(3, 4), caches[0])
-            got = step(_Layer.forward, slice(3, 4), caches[1])
+            got = step(LayerForward.forward, slice(3, 4), caches[1])
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, MoeqError) as e:
         log.debug("%s keeps its own forward: %s", type(mod).__name__, e)
         got = ref = None
     ref = ref[0] if isinstance(ref, tuple) else ref
-    if not isinstance(ref, torch.Tensor) or not _close(got, ref):
+    if not isinstance(ref, torch.Tensor) or not close(got, ref):
         del mod._moeq_layer_args
         return False
-    mod.forward = types.MethodType(_Layer.forward, mod)
+    mod.forward = types.MethodType(LayerForward.forward, mod)
     return True
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM: the ``layers`` list of its base model (transformers' layout)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None) if inner is not None else getattr(model, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
 def install(model: nn.Module) -> dict[str, int]:
@@ -477,7 +482,7 @@ def install(model: nn.Module) -> dict[str, int]:
     done = {"rms_norm": 0, "router": 0, "attention": 0, "head": 0, "layer": 0}
     if not native.has_simd():
         return done
-    done["head"] = int(_try_head(model))
+    done["head"] = int(try_head(model))
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
     for _, mod in model.named_modules():
         if "forward" in mod.__dict__:  # already installed (or replaced by someone else): leave it
@@ -489,8 +494,8 @@ def install(model: nn.Module) -> dict[str, int]:
             done["router"] += 1
         elif _try_attention(mod, model, rotary):
             done["attention"] += 1
-    for _, mod in model.named_modules():  # whole decoder layers, once their parts run natively
-        if "forward" not in mod.__dict__ and type(mod).__name__.endswith("DecoderLayer"):
+    for mod in decoder_layers(model):  # whole decoder layers, once their parts run natively
+        if "forward" not in mod.__dict__:
             done["layer"] += _try_layer(mod, rotary)
     log.debug("native decode forwards: %s", done)
     return done

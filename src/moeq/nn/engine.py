@@ -1,6 +1,6 @@
 """A MoE model's whole decode step as one native call, and greedy ``generate`` on it.
 
-With every decoder layer on :class:`moeq.nn.decode._Layer` (its parts native), the rest of a step — the embedding,
+With every decoder layer on :class:`moeq.nn.decode.LayerForward` (its parts native), the rest of a step — the embedding,
 the layer loop with its cache updates and router top-k, the final norm and the head — is Python and torch glue that
 costs about as much per token as the layers' weights take to stream (README, "where the time goes"), and more with
 more layers. ``moeq_decode_step`` (``native/csrc/model.c``) runs all of it in C over static KV caches; the routing
@@ -49,7 +49,7 @@ def _parts(model: nn.Module):
         return None
     for mod in layers:
         fwd = mod.__dict__.get("forward")
-        if getattr(fwd, "__func__", None) is not decode._Layer.forward or hasattr(mod.mlp, "shared_expert"):
+        if getattr(fwd, "__func__", None) is not decode.LayerForward.forward or hasattr(mod.mlp, "shared_expert"):
             return None
     return emb, layers, norm, rotary, head, cfg
 
@@ -66,20 +66,19 @@ class Engine:
     def _head(self, batch: int):
         """(bf16 weight, None) or (None, (plan, scratch)) or (native.Bf12, None) for the head at ``batch`` rows; None
         when unsupported."""
-        from moeq.kernels import cpu_ops  # noqa: PLC0415
+        from moeq.kernels import plans  # noqa: PLC0415
 
         head = self.head
         if isinstance(head, bf12.Bf12Linear):
             return (head.describe(), None) if batch <= bf12.MAX_ROWS else None
-        if getattr(head.__dict__.get("forward"), "__func__", None) is decode._Head.forward:
+        if getattr(head.__dict__.get("forward"), "__func__", None) is decode.HeadForward.forward:
             ok = head.bias is None and batch <= decode.HEAD_MAX_ROWS and head.in_features % 32 == 0
             return (head.weight, None) if ok else None
         if hasattr(head, "qweight") and head.bias is None:
-            plan = cpu_ops._linear_plan(head)
-            if plan is None or batch > plan[4]:
+            plan = plans.linear_plan(head)
+            if plan is None or batch > plan.max_rows:
                 return None
-            stack, _, n, k, _, per_row, extra = plan
-            return None, (plan, torch.empty(batch * (k + n + per_row) + extra + 64))
+            return None, (plan, plan.scratch(batch))
         return None
 
     def _rope(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +94,7 @@ class Engine:
     def describe(self, batch: int, capacity: int, positions: int):
         """(native.Model, keep-alive, caches, step state) for ``batch`` sequences of up to ``capacity`` tokens, or
         None."""
-        plans = [decode._layer_plan(mod) for mod in self.layers]
+        plans = [decode.layer_plan(mod) for mod in self.layers]
         head = self._head(batch)
         if any(p is None for p in plans) or head is None:
             return None
@@ -114,7 +113,7 @@ class Engine:
         if isinstance(weight, native.Bf12):
             m.head12 = ctypes.pointer(weight)
         if qhead is not None:
-            m.hq, m.head_scratch = qhead[0][0], qhead[1].data_ptr()
+            m.hq, m.head_scratch = qhead[0].stack, qhead[1].data_ptr()
         keep = (plans, cfgs, kc, vc, cos, sin, head)
         state = torch.empty(batch, 3 * m.H + max(c.E for c in cfgs), dtype=torch.bfloat16)  # moeq_decode_step's
         return m, keep, caches, state
@@ -130,7 +129,7 @@ class Engine:
         while at >= 0:  # a routing tie: the router's own top-k (torch's order), then the step goes on
             gate = self.layers[at].mlp.gate
             h, e = m.H, gate.weight.shape[0]
-            weights, idx = decode._route(gate, state.view(-1)[3 * b * h:3 * b * h + b * e].view(b, e))
+            weights, idx = decode.route(gate, state.view(-1)[3 * b * h:3 * b * h + b * e].view(b, e))
             at = L.moeq_decode_step(*args, at, idx.data_ptr(), weights.data_ptr(), state.data_ptr(),
                                     logits.data_ptr())
         if at != -1:
@@ -148,7 +147,7 @@ class Engine:
         pos = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
         out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=pos, cache=cache,
                          use_cache=True, logits_to_keep=1)
-        full = decode._full_layer()
+        full = decode.full_layer()
         layers = getattr(cache, "layers", None)
         if not isinstance(layers, list) or len(layers) != len(self.layers) or any(type(x) is not full for x in layers):
             return None
@@ -277,7 +276,7 @@ def _probe(model: nn.Module, eng: Engine) -> bool:
         if eng.prefill(ids[:, :3], am, caches) is None:
             return False
         got = eng.step(m, ids[0, 3:].contiguous(), torch.tensor([3]), 4, None, state)
-    return decode._close(got.float(), ref.float())
+    return decode.close(got.float(), ref.float())
 
 
 def install(model: nn.Module) -> bool:
@@ -288,19 +287,19 @@ def install(model: nn.Module) -> bool:
     parts = _parts(model)
     if parts is None:
         return False
-    from moeq.kernels import cpu_ops  # noqa: PLC0415
+    from moeq.kernels import plans  # noqa: PLC0415
 
     eng = Engine(model, parts)
     head = parts[4]
     if hasattr(head, "qweight"):  # the head's decode copy by 16 rows (its forward and the step share the plan)
-        setattr(head, cpu_ops.ROWS16, True)
+        plans.set_rows16(head, True)
     try:
         ok = _probe(model, eng)
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, MoeqError) as e:
         log.debug("no native decode loop: %s", e)
         ok = False
     if not ok:
-        head.__dict__.pop(cpu_ops.ROWS16, None)
+        plans.set_rows16(head, False)
         return False
     model._moeq_engine = eng
     model.generate = types.MethodType(_Generate.generate, model)

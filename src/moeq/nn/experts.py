@@ -18,8 +18,12 @@ from transformers.activations import ACT2FN
 from moeq.formats import PackedWeight
 from moeq.kernels import expert_linear, matmul_dtype
 from moeq.kernels.moe_cpu import MAX_ROWS as MOE_MAX_ROWS
-from moeq.kernels.moe_cpu import held_stacks, il16_dequant, il16_takes, moe_forward, moe_prefill, moe_routed
+from moeq.kernels.describe import il16_takes
+from moeq.kernels.moe_cpu import held_stacks, il16_dequant, moe_forward, moe_prefill, moe_routed
+from moeq.kernels.plans import ExpertsRoute, experts_route
 from moeq.nn.packed import DecodeLayout, get_packed, set_packed
+
+NO_ROUTE = ExpertsRoute(decode=False, fused=False, prefill=False)  # off the CPU: per expert (or Triton)
 
 # Tokens per pass of the many-rows path: its gathered inputs and intermediates are [tokens x top-k, H or 2I]
 # (~100 MB per 1000 tokens at Qwen3-30B-A3B's shapes); each further pass re-dequantizes the active experts once.
@@ -98,11 +102,6 @@ class QuantExperts(DecodeLayout, nn.Module):
     def _il16_takes(self) -> bool:
         return il16_takes(self, self.IL16_SLOTS)
 
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        self.choose_kernel()
-        return out
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
@@ -116,8 +115,8 @@ class QuantExperts(DecodeLayout, nn.Module):
             n = MAX_TOKENS_PER_PASS
             return torch.cat([self(hidden_states[i:i + n], top_k_index[i:i + n], top_k_weights[i:i + n])
                               for i in range(0, t, n)])
-        native = self.kernel == "native" and hidden_states.device.type == "cpu"
-        if native and t <= MOE_MAX_ROWS:  # decode: routing and every routed expert in one native call
+        route = experts_route(self, hidden_states.dtype) if hidden_states.device.type == "cpu" else NO_ROUTE
+        if route.decode and t <= MOE_MAX_ROWS:  # decode: routing and every routed expert in one native call
             y = moe_routed(self, hidden_states, top_k_index, top_k_weights)
             if y is not None:
                 return y
@@ -127,7 +126,7 @@ class QuantExperts(DecodeLayout, nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // a  # [T*A]
         weight_of = top_k_weights.reshape(-1)[order]  # [T*A]
-        if native:
+        if route.fused:
             # decode-sized experts (few rows) run in one native call; experts with many rows (prefill) in the native
             # grouped GEMM (moe_prefill), or where it declines dequantize + bf16 matmul
             small = [c if c <= MOE_MAX_ROWS else 0 for c in counts]
@@ -140,7 +139,7 @@ class QuantExperts(DecodeLayout, nn.Module):
                     return fused
             if fused is not None or not any(small):
                 tl, wl = self._pairs(token_of, weight_of, keep, False)
-                big = moe_prefill(self, hidden_states, tl, wl, large)
+                big = moe_prefill(self, hidden_states, tl, wl, large) if route.prefill else None
                 if big is None:
                     big = self._forward_loop(hidden_states, tl, wl, large, out)
                 return big.to(out.dtype) if fused is None else (big + fused).to(out.dtype)

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from moeq.formats import PackedWeight
-from moeq.kernels import CHUNKED_ABOVE, cpu_ops, linear
-from moeq.kernels.moe_cpu import il16_takes
+from moeq.kernels import CHUNKED_ABOVE, cpu_ops, linear, plans
+from moeq.kernels.describe import il16_takes
 from moeq.nn.packed import DecodeLayout, get_packed, set_packed
 
 
@@ -34,11 +34,6 @@ class QuantLinear(DecodeLayout, nn.Module):
     def _il16_takes(self) -> bool:  # heads over CHUNKED_ABOVE stay row-major (their prompt path dequantizes in chunks)
         return self.out_features * self.in_features <= CHUNKED_ABOVE and il16_takes(self, self.IL16_SLOTS)
 
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        self.choose_kernel()
-        return out
-
     @property
     def qweight(self) -> PackedWeight:
         """The weight, row-major (a permuted copy while held in the il16 decode layout)."""
@@ -56,12 +51,14 @@ class QuantLinear(DecodeLayout, nn.Module):
             y = gpu.linear_forward(self, x)
             if y is not None:
                 return y
-        elif self.kernel == "native" and x.device.type == "cpu":
-            y = cpu_ops.quant_linear_bf16(self, x)
-            if y is None and self.il16("weight"):
+        elif x.device.type == "cpu":
+            route = plans.linear_route(self, x.dtype)
+            y = cpu_ops.quant_linear_bf16(self, x) if route.one_call else None
+            if y is None and route.il16_prompt:
                 y = cpu_ops.il16_linear(self, x)
             if y is not None:
                 return y
+            return linear(self.qweight, x, self.bias, kernels=route.gemv)
         return linear(self.qweight, x, self.bias)
 
 

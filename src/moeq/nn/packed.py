@@ -12,6 +12,7 @@ from torch import nn
 
 from moeq.formats import WEIGHT_TYPES, PackedWeight
 from moeq.formats.packing import from_il16, to_il16
+from moeq.kernels import plans
 
 IL16_UNITS = {"qdata": 2, "scale": 1}  # the RTN fields il16 permutes: 2-byte units of codes, one scale per unit
 
@@ -29,6 +30,7 @@ def set_packed(module: nn.Module, slot: str, q: PackedWeight) -> None:
     for field, t in q.tensors().items():
         module.register_buffer(f"{slot}_{field}", t, persistent=True)
     meta[slot] = {"format": q.format, **q.meta()}
+    plans.invalidate(module)
 
 
 def get_packed(module: nn.Module, slot: str, raw: bool = False) -> PackedWeight:
@@ -74,6 +76,7 @@ def set_il16(module: nn.Module, slot: str, on: bool) -> None:
         key = f"{slot}_{field}"
         module._buffers[key] = fn(module._buffers[key], unit)
     (il16_slots(module).add if on else il16_slots(module).discard)(slot)
+    plans.invalidate(module)
 
 
 def _install_hooks(module: nn.Module) -> None:
@@ -134,6 +137,7 @@ class DecodeLayout:
     @activations.setter
     def activations(self, mode: str) -> None:
         self.__dict__["_activations"] = mode
+        plans.invalidate(self)
         self.choose_layout()
 
     @property
@@ -148,6 +152,12 @@ class DecodeLayout:
             raise ValueError(f"decode_layout must be 'auto' or 'rows', got {layout!r}")
         self.__dict__["_decode_layout"] = layout
         self.choose_layout()
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)  # .to(), .float(), ...: new buffers, so new plans
+        plans.invalidate(self)
+        self.choose_kernel()
+        return out
 
     def choose_layout(self) -> bool:
         """Hold the slots in the il16 decode layout (the same bytes permuted: 16 output rows per vector, 1.2-1.8x the

@@ -19,9 +19,9 @@ from moeq.convert import activation_for, experts_dims, install_experts, is_exper
 from moeq.errors import MoeqError
 from moeq.formats import WEIGHT_TYPES
 from moeq.io.safetensors_io import Checkpoint
-from moeq.load_state import compute_dtype, finish_model, load_generation_config, set_or_note_unused, skeleton
+from moeq.readers.state import compute_dtype, finish_model, load_generation_config, set_or_note_unused, skeleton
 from moeq.nn import Activation, QuantExperts, QuantLinear
-from moeq.record import FORMAT_VERSION
+from moeq.record import FORMAT_VERSION, QUANT_METHOD
 from moeq.version import __version__
 
 def _saved_entry(path: Path, name: str, entry) -> tuple[str, dict, bool]:
@@ -49,6 +49,18 @@ def _saved_activation(where: str, spec) -> Activation:
             for v in (act.alpha, act.limit)):
         raise MoeqError(f"{where}: activation {spec} is not one moeq knows")
     return act
+
+
+def claims(found) -> bool:
+    return bool(found.qc) and found.qc.get("quant_method") == QUANT_METHOD
+
+
+def read(found, quant, dtype, progress: bool) -> nn.Module:
+    """The :mod:`moeq.readers` entry: a saved moeq checkpoint, restored as saved (no method)."""
+    if quant is not None:
+        raise MoeqError(f"{found.path} is already a moeq checkpoint ({found.qc.get('formats')}); load it without "
+                        "a method")
+    return restore(found.path, found.ckpt, found.config, found.qc, dtype, progress)
 
 
 def check_versions(path: Path, qc: dict) -> None:

@@ -8,10 +8,13 @@ import fnmatch
 
 import torch
 
+from moeq.config import QuantConfig
 from moeq.errors import MoeqError
 from moeq.formats import RTNWeight
 from moeq.formats.packing import unpack
 from moeq.io.safetensors_io import Checkpoint
+from moeq.readers.source import stream
+from moeq.readers.state import LoadState, compute_dtype
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
@@ -95,3 +98,18 @@ def read_weight(ckpt: Checkpoint, qc: dict, head: str, dtype: torch.dtype) -> RT
                   group_size=gs, grid="vllm" if sym else "asym", shape=(n, k),
                   dtype=scale.dtype if scale.dtype in (torch.bfloat16, torch.float16, torch.float32) else dtype)
     return w.validate(head)
+
+
+def claims(found) -> bool:
+    return bool(found.qc) and found.qc.get("quant_method") == "compressed-tensors"
+
+
+def read(found, quant, dtype, progress: bool):
+    """The :mod:`moeq.readers` entry: a compressed-tensors pack-quantized checkpoint, its packed weights become moeq
+    RTN weights as they are; its other tensors (the ``ignore`` list) stay as the checkpoint holds them."""
+    if quant is not None:
+        raise MoeqError(f"{found.path} is already quantized (compressed-tensors); load it without a method")
+    dtype = compute_dtype(found.config, dtype)
+    state = LoadState(found.path, found.ckpt, found.config, QuantConfig.of("none"), dtype, quantize_linears=False)
+    _, member = groups(found.ckpt)
+    return stream(state, member, lambda head: read_weight(found.ckpt, found.qc, head, dtype), progress)

@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from moeq.errors import MoeqError
 from moeq.formats import RTNWeight
 from moeq.formats.packing import pack
-from moeq.load_state import LoadState, compute_dtype, set_tensor
+from moeq.readers.state import LoadState, compute_dtype, set_tensor
 from moeq.config import QuantConfig
 
 
@@ -106,6 +106,13 @@ def _check_tiling(file: Path, reader) -> None:
         end = b
 
 
+def read(found, quant, dtype: torch.dtype | None, progress: bool) -> nn.Module:
+    """The :mod:`moeq.readers` entry: a GGUF file moeq wrote (already quantized: no method)."""
+    if quant is not None:
+        raise MoeqError(f"{found.path} is already quantized (GGUF); load it without a method")
+    return load(found.gguf_file, dtype)
+
+
 def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     from moeq.export.gguf import FAMILIES, Planner, gguf_lib  # noqa: PLC0415
 
@@ -181,7 +188,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
         if kind.startswith("experts."):
             for e in range(logical[0]):
                 state.builders[hf].put(e, kind.split(".")[1], tensor[e], t.name)
-            state._build_if_complete(hf)
+            state.build_if_complete(hf)
         else:
             set_tensor(model, hf, tensor, t.name)
     return state.finish()

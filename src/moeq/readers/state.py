@@ -2,7 +2,7 @@
 are turned into as they stream in. Every source feeds the same object: a bf16/fp16 checkpoint (:meth:`LoadState.route`
 per tensor, quantizing in flight) and a pre-quantized bitsandbytes one (:meth:`LoadState.route` for its plain tensors,
 :meth:`LoadState.put_packed` for its quantized weights); a saved moeq checkpoint restores its modules directly
-(:mod:`moeq.saved`). All of them end in :func:`finish_model`, which checks that every checkpoint key was used and every
+(:mod:`moeq.readers.saved`). All of them end in :func:`finish_model`, which checks that every checkpoint key was used and every
 parameter filled, naming any that were not."""
 from __future__ import annotations
 
@@ -134,17 +134,21 @@ def read_config(path: Path):
         raise MoeqError(f"{path}: cannot read config.json: {type(e).__name__}: {e}") from None
 
 
+class UnexpectedKey(MoeqError):
+    """A checkpoint key the model built from config.json has no place for."""
+
+
 def set_tensor(model: nn.Module, name: str, t: torch.Tensor, key: str) -> None:
     mod_name, _, attr = name.rpartition(".")
     try:
         mod = model.get_submodule(mod_name) if mod_name else model
     except AttributeError:
-        raise MoeqError(f"{key}: no module {mod_name!r} in the model built from config.json (unexpected key)") from None
+        raise UnexpectedKey(f"{key}: no module {mod_name!r} in the model built from config.json") from None
     if t.is_floating_point() and not torch.isfinite(t).all():
         raise MoeqError(f"{key}: {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/Inf)")
     cur = mod._parameters.get(attr, mod._buffers.get(attr))
     if cur is None:  # absent, or registered as None (e.g. a Linear built without bias): not the model's
-        raise MoeqError(f"{key}: the model has no parameter or buffer {name!r} (unexpected key)")
+        raise UnexpectedKey(f"{key}: the model has no parameter or buffer {name!r}")
     if cur.is_floating_point() and not t.is_floating_point():
         raise MoeqError(f"{key}: stored as {t.dtype}, but the model holds it as a floating-point tensor")
     if tuple(cur.shape) != tuple(t.shape):
@@ -160,9 +164,7 @@ def set_or_note_unused(model: nn.Module, name: str, t: torch.Tensor, key: str, u
     """Set a plain tensor; a key the model has no place for is collected (reported at the end), not fatal here."""
     try:
         set_tensor(model, name, t, key)
-    except ValueError as e:
-        if "unexpected key" not in str(e):
-            raise
+    except UnexpectedKey:
         unused.append(key)
 
 
@@ -222,7 +224,7 @@ class LoadState:
         self.pending_bias: dict[str, torch.Tensor] = {}
         self.unused: list[str] = []
 
-    def _build_if_complete(self, mod: str) -> None:
+    def build_if_complete(self, mod: str) -> None:
         """Swap in an experts module as soon as all its pieces arrived: bounded memory (one module's pieces)."""
         b = self.builders[mod]
         if not b.built and not b.missing():
@@ -242,7 +244,7 @@ class LoadState:
                 b.put_bias(m["param"], read_float(self.ckpt, key), key)
             else:
                 b.put_fused(m["param"], lambda e: read_float(self.ckpt, key, e), self.ckpt.tensors[key].shape, key)
-            self._build_if_complete(m["mod"])
+            self.build_if_complete(m["mod"])
             return
         mod_name, _, attr = name.rpartition(".")
         if mod_name in self.linears and attr == "weight":
@@ -275,7 +277,7 @@ class LoadState:
         m = self.arch.expert_key_re.match(name)
         if m and m["mod"] in self.builders:
             self.builders[m["mod"]].put_packed(int(m["e"]), self.arch.proj_kind(m["proj"]), q, head)
-            self._build_if_complete(m["mod"])
+            self.build_if_complete(m["mod"])
             return
         if FUSED_KEY_RE.match(name):
             raise MoeqError(f"{head}: quantized fused 3-D experts are not a bitsandbytes layout moeq knows")

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from moeq.config import BNB4, FormatConfig, Int8
+from moeq.config import BNB4, FormatConfig, Int8, QuantConfig
+from moeq.errors import MoeqError
 from moeq.formats import Bnb4Weight, Int8Weight, PackedWeight
 from moeq.io.safetensors_io import Checkpoint
-from moeq.errors import MoeqError
+from moeq.readers.source import stream
+from moeq.readers.state import LoadState
+from moeq.readers.state import compute_dtype as config_dtype
 
 QS = ".quant_state.bitsandbytes__"
 
@@ -91,3 +94,19 @@ def read_packed(ckpt: Checkpoint, head: str, members: list[str], dtype: torch.dt
     if any(QS in k for k in members):
         return Bnb4Weight.from_state_dict(sd, head[: -len("weight")])
     return Int8Weight.from_state_dict(sd, head[: -len("weight")], dtype=dtype)
+
+
+def claims(found) -> bool:
+    return bool(found.qc) and found.qc.get("quant_method") == "bitsandbytes"
+
+
+def read(found, quant, dtype, progress: bool):
+    """The :mod:`moeq.readers` entry: its quantized weights are placed as they are, its plain tensors stream through
+    the same route as a bf16 checkpoint's (bf16 experts quantized in flight with the checkpoint's own settings unless
+    ``quant`` says otherwise; bf16 linears kept as the checkpoint holds them)."""
+    qc, ckpt = found.qc, found.ckpt
+    dtype = compute_dtype(qc, dtype) or config_dtype(found.config, None)
+    qcfg = QuantConfig.of(quant if quant is not None else inflight_config(qc))
+    state = LoadState(found.path, ckpt, found.config, qcfg, dtype, quantize_linears=False)
+    groups, member = quantized_groups(ckpt)
+    return stream(state, member, lambda head: read_packed(ckpt, head, groups[head], dtype), progress)

@@ -1,0 +1,79 @@
+"""Checkpoint readers: one file per checkpoint kind, one protocol, one dispatch.
+
+Every reader is a :class:`Reader` row of :data:`READERS`: ``claims(found)`` says from what the checkpoint declares
+(its file kind and config) whether it is this reader's, and ``read(found, quant, dtype, progress)`` builds the model.
+:func:`read` asks the rows in order, once, and the first that claims the checkpoint reads it. The streaming readers
+(bf16/fp16 sources, bitsandbytes, compressed-tensors, GGUF) place each tensor or packed weight through one
+:class:`~moeq.readers.state.LoadState`; a saved moeq checkpoint is restored module by module
+(:mod:`moeq.readers.saved`). Every packed weight a reader makes passes ``PackedWeight.from_untrusted`` /
+``validate`` before anything runs on it.
+
+Adding a checkpoint kind: ``readers/<kind>.py`` with its ``claims`` and ``read`` (streaming its tensors through
+``LoadState``: plain ones with ``state.route(key)``, packed ones with ``state.put_packed(name, weight)``), its row in
+:data:`READERS`, and its mutations in ``tests/untrusted/test_fuzz.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moeq.errors import MoeqError
+from moeq.io.safetensors_io import Checkpoint
+from moeq.readers import bnb, compressed_tensors, gguf, saved, source
+from moeq.readers.state import read_config
+
+
+@dataclasses.dataclass
+class Found:
+    """What a checkpoint declares, read once for every reader to look at."""
+
+    path: Path
+    gguf_file: Path | None = None
+    ckpt: Checkpoint | None = None
+    config: object = None
+    qc: dict | None = None  # config.json's quantization_config as a dict (None: none)
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    name: str
+    claims: Callable[[Found], bool]
+    read: Callable[[Found, object, torch.dtype | None, bool], nn.Module]
+
+
+READERS: list[Reader] = [
+    Reader("gguf", lambda f: f.gguf_file is not None, gguf.read),
+    Reader("moeq", saved.claims, saved.read),
+    Reader("compressed-tensors", compressed_tensors.claims, compressed_tensors.read),
+    Reader("bitsandbytes", bnb.claims, bnb.read),
+    Reader("source", source.claims, source.read),
+]
+
+
+def inspect(path: Path, device: torch.device) -> Found:
+    """Read what ``path`` declares: a GGUF file moeq wrote, or a safetensors checkpoint and its config."""
+    g = gguf.gguf_file(path)
+    if g is not None:
+        return Found(path, gguf_file=g, device=device)
+    ckpt = Checkpoint(path)
+    config = read_config(path)
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if callable(getattr(qc, "to_dict", None)) else qc
+    if qc is not None and not isinstance(qc, dict):
+        raise MoeqError(f"{path}/config.json: quantization_config must be an object, got {type(qc).__name__}")
+    return Found(path, ckpt=ckpt, config=config, qc=qc or None, device=device)
+
+
+def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: torch.device) -> nn.Module:
+    found = inspect(path, device)
+    for reader in READERS:
+        if reader.claims(found):
+            return reader.read(found, quant, dtype, progress)
+    raise MoeqError(f"{path}: checkpoints quantized with quant_method={found.qc.get('quant_method')!r} are not "
+                    "supported; moeq loads bf16/fp16, moeq, bitsandbytes, compressed-tensors and moeq GGUF checkpoints")
