@@ -85,7 +85,8 @@ def expected_values(m) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("model_type,method", [
     ("mixtral", "q4_0"), ("qwen2_moe", "q4_0"), ("qwen3_moe", "q8_0"), ("olmoe", "q4_0"), ("mixtral", "q8_0"),
-    ("mixtral", "iq4nl"), ("olmoe", "q4_0-opt"), ("qwen2_moe", "q5_0-opt"), ("qwen3_moe", "iq4nl-dq")])
+    ("mixtral", "iq4nl"), ("olmoe", "q4_0-opt"), ("qwen2_moe", "q5_0-opt"), ("qwen3_moe", "iq4nl-dq"),
+    ("mixtral", "mxfp4")])
 def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_path):
     src = tiny_ckpt(model_type, **OVERRIDES.get(model_type, {}))
     m = moeq.load(src, quant=method, progress=False, dtype=torch.float32)
@@ -93,7 +94,8 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
     summary = export(m, out, "gguf", source=src)
     path = out / "model.gguf"
     assert summary["requantized"] == [] and sorted(p.name for p in out.iterdir()) == [MARKER, "model.gguf"]
-    qtype = {"iq4nl": "IQ4_NL", "iq4nl-dq": "IQ4_NL", "q4_0-opt": "Q4_0", "q5_0-opt": "Q5_0"}.get(method, method.upper())
+    qtype = {"iq4nl": "IQ4_NL", "iq4nl-dq": "IQ4_NL", "q4_0-opt": "Q4_0", "q5_0-opt": "Q5_0"}.get(method,
+                                                                                                  method.upper())
     types = gguf_types(path)
     assert types["blk.1.ffn_gate_exps.weight"] == types["blk.0.attn_q.weight"] == qtype
     assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["token_embd.weight"] == "F32"

@@ -206,6 +206,9 @@ METHODS: dict[str, FormatConfig] = {
     # than the row-aware ones, measured), group 16 with double-quantized scales: 3.5 + 16/K bits per weight
     # (llama.cpp's Q3_K: 3.44). Its mixes below add bits where llama.cpp's Q3_K_S / Q3_K_M do.
     "nl3": RTN(3, 16, grid="nl3", search=7, weighting="x2", double_quant=True),
+    # OCP MXFP4 (gpt-oss' expert format; llama.cpp's MXFP4): E2M1 codes, a power-of-two scale per 32, rounded as
+    # llama.cpp's quantize_row_mxfp4_ref; gpt-oss MXFP4 checkpoints load into it exactly; GGUF export lossless
+    "mxfp4": RTN(4, 32, grid="mxfp4"),
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),

@@ -106,3 +106,93 @@ def make_checkpoint(model_type: str, out: str | os.PathLike, seed: int = 0, dtyp
         model.save_pretrained(out)
     tiny_tokenizer(tokenizer).save_pretrained(out)
     return out
+
+
+FP8_SKIP = ("embed_tokens", "lm_head", "norm", ".gate.weight", "router", "shared_expert_gate", "e_score_correction")
+
+
+def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 block quantization of ``[..., N, K]`` as transformers' ``Fp8Quantize`` computes it: per ``block`` tile
+    ``scale = 448 / amax`` (1 for an all-zero tile), codes ``e4m3(w * scale)``, stored ``scale_inv = 1 / scale``;
+    edge tiles cover what remains (``ceil`` tiles, DeepSeek's layout)."""
+    n, k = w.shape[-2:]
+    bn, bk = block
+    tn, tk = -(-n // bn), -(-k // bk)
+    wp = torch.nn.functional.pad(w.float(), (0, tk * bk - k, 0, tn * bn - n))
+    tiles = wp.unflatten(-1, (tk, bk)).unflatten(-3, (tn, bn))  # [..., tn, bn, tk, bk]
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    q = (tiles * scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.flatten(-4, -3).flatten(-2)[..., :n, :k].contiguous(), (1.0 / scale).float().contiguous()
+
+
+def make_fp8_checkpoint(model_type: str, out: str | os.PathLike, block: tuple[int, int] | None = (128, 128),
+                        **kw) -> Path:
+    """A tiny checkpoint in the FP8 block-scaled layout DeepSeek-V3 / Qwen3-*-FP8 ship: every linear weight of the
+    decoder layers (experts included; not the embeddings, head, norms or routers) as ``weight`` F8_E4M3 +
+    ``weight_scale_inv`` F32, and ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+    "weight_block_size": block, "activation_scheme": "dynamic"}`` (``block=None``: one scale per tensor)."""
+    import json  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    out = make_checkpoint(model_type, out, **kw)
+    files = sorted(out.glob("*.safetensors"))
+    for f in files:
+        sd = load_file(str(f))
+        new = {}
+        for key, t in sd.items():
+            if t.ndim >= 2 and key.endswith("weight") and not any(s in key for s in FP8_SKIP):
+                if block is None:
+                    scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
+                    new[key] = (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    new[key + "_scale_inv"] = (1.0 / scale).reshape(())
+                else:
+                    new[key], new[key + "_scale_inv"] = fp8_block_quantize(t, block)
+            else:
+                new[key] = t
+        save_file(new, str(f), metadata={"format": "pt"})
+    idx = out / "model.safetensors.index.json"
+    if idx.exists():
+        index = json.loads(idx.read_text())
+        for key, fname in list(index["weight_map"].items()):
+            if key.endswith("weight") and not any(s in key for s in FP8_SKIP):
+                index["weight_map"][key + "_scale_inv"] = fname
+        idx.write_text(json.dumps(index, indent=1))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": None if block is None else list(block)}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def make_mxfp4_checkpoint(out: str | os.PathLike, **kw) -> Path:
+    """A tiny gpt-oss checkpoint in the MXFP4 layout gpt-oss ships: each expert stack ``{gate_up,down}_proj`` (held
+    by transformers as ``[E, in, out]``) as ``*_blocks`` uint8 ``[E, out, in/32, 16]`` and ``*_scales`` uint8 E8M0
+    ``[E, out, in/32]``, rounded as llama.cpp's MXFP4 reference (:func:`moeq.formats.rtn.quantize_mx`); everything
+    else bf16; ``quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``."""
+    import json  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    from moeq.formats.rtn import quantize_mx  # noqa: PLC0415
+
+    out = make_checkpoint("gpt_oss", out, fused_layout=True, **kw)
+    f = out / "model.safetensors"
+    sd = load_file(str(f))
+    new = {}
+    for key, t in sd.items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            w = t.transpose(1, 2).contiguous()  # [E, out, in]
+            q = quantize_mx(w)
+            e, n, k = w.shape
+            new[key + "_blocks"] = q.qdata.reshape(e, n, k // 32, 16).contiguous()
+            new[key + "_scales"] = (torch.frexp(q.scale.float())[1] + 127).to(torch.uint8).contiguous()
+        else:
+            new[key] = t
+    save_file(new, str(f), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

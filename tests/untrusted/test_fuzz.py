@@ -106,8 +106,11 @@ def m_tensor(data, d: Path, stats_only: bool = False) -> None:
     elif kind == "special" and t.is_floating_point() and t.numel():
         t = t.clone()
         idx = data.draw(st.integers(0, t.numel() - 1))
-        t.view(-1)[idx] = data.draw(st.sampled_from(SPECIAL + [-1.0] * ("absmax" in key or "SCB" in key or
-                                                                          "scb" in key)))
+        if t.dtype == torch.float8_e4m3fn:  # e4m3 has no Inf (a cast saturates it to 448, a valid value): its NaNs
+            t.view(torch.uint8).view(-1)[idx] = data.draw(st.sampled_from([0x7F, 0xFF]))
+        else:
+            t.view(-1)[idx] = data.draw(st.sampled_from(SPECIAL + [-1.0] * (
+                "absmax" in key or "SCB" in key or "scb" in key or "scale_inv" in key)))
         sd[key] = t
     mutate.save_tensors(d, sd)
 
@@ -237,6 +240,26 @@ def test_fuzz_source_in_flight(source_ref, isolated, data):
     src, ref = source_ref
     mutation = data.draw(st.sampled_from([m_header, m_tensor, m_config]), label="how")
     check(isolated, src, ref, mutation, data, quant="rtn-int4")
+
+
+@pytest.fixture(scope="module")
+def fp8_ref(isolated, tmp_path_factory):
+    from moeq.tiny import make_fp8_checkpoint
+
+    src = make_fp8_checkpoint("qwen3_moe", tmp_path_factory.mktemp("fp8src") / "c", block=(48, 80))
+    ref = tmp_path_factory.mktemp("fp8ref") / "ref.pt"
+    r = isolated.load(src, quant="q4_0", save=ref)
+    assert r["outcome"] == "ok" and r["finite"], r
+    return src, ref
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_fp8_source(fp8_ref, isolated, data):
+    """An FP8 block-scaled checkpoint (e4m3 codes, scale_inv tiles with partial edges), quantized in flight."""
+    src, ref = fp8_ref
+    mutation = data.draw(st.sampled_from([m_header, m_tensor, m_tensor, m_config]), label="how")
+    check(isolated, src, ref, mutation, data, quant="q4_0")
 
 
 def m_gguf(data, d: Path) -> None:

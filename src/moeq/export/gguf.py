@@ -94,9 +94,11 @@ def gguf_lib():
 
 # ---------------------------------------------------------------------------------------------- tensor conversion
 def ggml_type(w: PackedWeight) -> str | None:
-    """``Q4_0``/``Q5_0``/``Q8_0``/``IQ4_NL`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
+    """``Q4_0``/``Q5_0``/``Q8_0``/``IQ4_NL``/``MXFP4`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
     if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32 or w.bits not in (4, 5, 8):
         return None
+    if w.grid == "mxfp4":  # E2M1 codes with 2^(e-128) scales (validated): llama.cpp's MXFP4 blocks exactly
+        return "MXFP4"
     if w.grid not in ("vllm", "signed", "iq4nl"):
         return None
     if w.scale_super is not None:  # double-quantized: the codes as they are, code x row factor rounded to fp16
@@ -109,7 +111,12 @@ def ggml_type(w: PackedWeight) -> str | None:
 
 def ggml_blocks(w: RTNWeight) -> torch.Tensor:
     """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts
-    (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do)."""
+    (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do; MXFP4 too, after a
+    one-byte E8M0 exponent instead of the fp16 scale)."""
+    if w.grid == "mxfp4":
+        e = (torch.frexp(w.scale.float())[1] + 127).to(torch.uint8)  # scale = 2^(e - 128) = 0.5 * 2^(frexp exp)
+        codes = w.codes().unflatten(-1, (-1, 32))
+        return torch.cat([e.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1).flatten(-2)
     d = w.group_scales().to(torch.float16)  # exact for bf16 scales ggml_type accepts; double-quantized: rounded
     blocks = w.codes().unflatten(-1, (-1, 32))  # uint8 codes [..., N, K/32, 32], zero point 2**(bits-1)
     if w.bits == 5:  # Q5_0: qh (bit j = element j's fifth bit, little-endian uint32), then Q4_0's nibble layout
@@ -317,7 +324,8 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
         kinds[t.qtype.name] = kinds.get(t.qtype.name, 0) + t.nbytes
     main = max(kinds, key=kinds.get)
     w.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                     "BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16}.get(
+                     "BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                     "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE}.get(
                          main, gguf.LlamaFileType.ALL_F32))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

@@ -16,6 +16,9 @@ IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 11
 # Lloyd-Max points for a Gaussian and a weighted-Lloyd fit: lowest KL — benchmarks/README). Keeps IQ4_NL's asymmetry,
 # which the scale search's two signs turn into a choice of the wider side per group.
 NL3 = IQ4NL[0::2]
+# OCP MXFP4's E2M1 values doubled (kvalues_mxfp4 in ggml-common.h): value = table[code] * 2^(e - 128) for a group's
+# E8M0 exponent e (llama.cpp's GGML_E8M0_TO_FP32_HALF); code bit 3 is the sign, as in gpt-oss' *_blocks nibbles
+MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def code4(quant_type: str) -> torch.Tensor:

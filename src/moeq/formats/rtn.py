@@ -40,7 +40,7 @@ import torch
 from moeq.formats.base import (
     PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, expect_tensor, row_chunks, tensor_field,
 )
-from moeq.formats.codebooks import IQ4NL, NL3
+from moeq.formats.codebooks import IQ4NL, MXFP4, NL3
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 from moeq.errors import MoeqError
 
@@ -50,16 +50,50 @@ GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up t
 
 def valid_group_size(gs: int) -> bool:
     return gs == -1 or (16 <= gs <= 4096 and gs % 16 == 0)
-GRIDS = ("vllm", "signed", "iq4nl", "nl3")
-CODEBOOKS = {"iq4nl": IQ4NL, "nl3": NL3}  # grids whose values are a table: value = scale * table[code]
+GRIDS = ("vllm", "signed", "iq4nl", "nl3", "mxfp4")
+CODEBOOKS = {"iq4nl": IQ4NL, "nl3": NL3, "mxfp4": MXFP4}  # grids whose values are a table: value = scale * table[code]
+MX_GROUP = 32  # mxfp4: OCP MX blocks of 32, each scale a power of two 2^(e - 128), e in 0..254 (E8M0, NaN excluded)
 CODEBOOK_BITS = {g: len(v).bit_length() - 1 for g, v in CODEBOOKS.items()}
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
+
+
+def mx_scale_problems(scale: torch.Tensor, group_size: int) -> list[str]:
+    """An mxfp4 weight's scales must be what an E8M0 byte encodes: 2^(e - 128) for e in 0..254, at group 32."""
+    if group_size != MX_GROUP:
+        return [f"grid 'mxfp4' has group_size {MX_GROUP}, not {group_size}"]
+    if not scale.numel():
+        return []
+    mant, exp = torch.frexp(scale.float())
+    if not bool(((mant == 0.5) & (exp >= -127) & (exp <= 127)).all()):
+        return ["mxfp4 scales must be powers of two 2^-128 .. 2^126 (E8M0 exponents 0..254)"]
+    return []
+
+
+def quantize_mx(w: torch.Tensor, name: str | None = None) -> RTNWeight:
+    """OCP MXFP4 as llama.cpp's ``quantize_row_mxfp4_ref`` (gguf-py ``MXFP4.quantize_blocks``) rounds it: per group
+    of 32, ``e = floor(log2(amax)) - 2 + 127`` (0 for an all-zero group; clamped to 0..254), scale ``d = 2^(e - 128)``
+    and each code the first nearest entry of the doubled E2M1 table. Scales stored bf16 (exact)."""
+    check_finite(w, name)
+    lead, k = w.shape[:-1], w.shape[-1]
+    g = w.reshape(-1, k // MX_GROUP, MX_GROUP).float()
+    amax = g.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2 + 127,
+                    torch.zeros_like(amax)).clamp(0, 254)
+    d = torch.ldexp(torch.ones_like(amax), (e - 128).to(torch.int32))
+    table = torch.tensor(MXFP4, dtype=torch.float32)
+    codes = torch.empty(g.shape, dtype=torch.uint8)
+    for a, b in row_chunks(g.shape[0], k):
+        err = (d[a:b, :, None, None] * table - g[a:b, ..., None]).abs()
+        codes[a:b] = err.argmin(-1).to(torch.uint8)  # first minimum, as numpy's argmin in gguf-py
+    return RTNWeight(qdata=pack(codes.reshape(*lead, k), 4), scale=d.to(torch.bfloat16).reshape(*lead, k // MX_GROUP),
+                     zero=None, bits=4, group_size=MX_GROUP, grid="mxfp4", shape=tuple(w.shape), dtype=w.dtype)
 
 
 def searched_natively(grid: str, bits: int, symmetric: bool, search: int) -> bool:
     """Whether :func:`quantize` takes the importance-weighted codebook search (native, ~0.5 GB/s) for these
     settings: always on the codebook grids, with ``search`` on the 4/5-bit signed grid."""
-    return symmetric and (grid in CODEBOOKS or (grid == "signed" and bool(search) and bits in (4, 5)))
+    return symmetric and ((grid in CODEBOOKS and grid != "mxfp4") or (grid == "signed" and bool(search)
+                                                                         and bits in (4, 5)))
 
 
 def grid_values(grid: str, bits: int = 4) -> tuple[int, ...] | None:
@@ -135,6 +169,8 @@ class RTNWeight(PackedWeight):
             reach = 127 * max(abs(v) for v in CODEBOOKS[self.grid])
             return bad_stats(self.scale_super, "scale_super", torch.finfo(self.dtype).max / reach, nonneg=True)
         out += expect_tensor(self.scale, "scale", (*lead, k // gs), (torch.bfloat16, torch.float16, torch.float32))
+        if self.grid == "mxfp4" and not out:
+            out += mx_scale_problems(self.scale, self.group_size)
         if self.zero is not None:
             out += expect_tensor(self.zero, "zero", (*lead, k // gs), (torch.uint8,))
         if out:
@@ -273,6 +309,11 @@ def quantize(
     if double_quant and grid not in CODEBOOKS:
         raise MoeqError(f"double_quant (int8 codes of a per-row scale) is for the codebook grids {list(CODEBOOKS)}, "
                         f"not grid={grid!r}")
+    if grid == "mxfp4":
+        if search or refine or hqq or double_quant or group_size != MX_GROUP:
+            raise MoeqError(f"grid 'mxfp4' is OCP MXFP4: group_size {MX_GROUP}, power-of-two scales, no search, "
+                            "refine, hqq or double_quant")
+        return check_result(quantize_mx(w, name), w, name)
     if searched_natively(grid, bits, symmetric, search):
         q = _codebook_search(w, grid, bits, gs, search, weighting, group_size, name, importance, native)
         if not torch.isfinite(q.scale).all():  # the kernel marks groups holding NaN/Inf

@@ -15,6 +15,7 @@ import torch
 
 from moeq import native
 from moeq.kernels.describe import describe
+from moeq.kernels.registry import kernels_for
 from moeq.native import Fmt, WStack
 
 MOE_MAX_ROWS = 8  # the fused MoE kernels' rows per expert; more: dequantize + AMX bf16 matmul wins (measured)
@@ -69,22 +70,26 @@ class ExpertsRoute:
     prefill: bool
 
 
-def experts_route(module, dtype: torch.dtype) -> ExpertsRoute:
-    """The :class:`ExpertsRoute` of a :class:`~moeq.nn.QuantExperts` on CPU for ``dtype`` inputs (cached per dtype
-    until :func:`invalidate`)."""
-    slot = native.plan_slot(module, "_plan_routes")
+def _cached(module, slot_name: str, key, build):
+    """``build()`` once per ``key`` in the module's plan slot ``slot_name`` (until :func:`invalidate`)."""
+    slot = native.plan_slot(module, slot_name)
     if slot.value is None:
         slot.value = {}
-    route = slot.value.get(dtype)
-    if route is None:
+    if key not in slot.value:
+        slot.value[key] = build()
+    return slot.value[key]
+
+
+def experts_route(module, dtype: torch.dtype) -> ExpertsRoute:
+    """The :class:`ExpertsRoute` of a :class:`~moeq.nn.QuantExperts` on CPU for ``dtype`` inputs."""
+    def build() -> ExpertsRoute:
         on = module.kernel == "native" and native.lib() is not None
         dot = dtype == torch.bfloat16 and native.has_simd()
-        fused = on and experts_plan(module, dot) is not None
-        prefill = (on and dtype == torch.bfloat16 and native.has_dpbf16()
-                   and experts_plan(module, True) is not None)
-        route = slot.value[dtype] = ExpertsRoute(decode=fused, fused=fused and experts_plan(module, dot, False)
-                                                 is not None, prefill=prefill)
-    return route
+        decode = on and experts_plan(module, dot) is not None
+        return ExpertsRoute(decode=decode, fused=decode and experts_plan(module, dot, False) is not None,
+                            prefill=(on and dtype == torch.bfloat16 and native.has_dpbf16()
+                                     and experts_plan(module, True) is not None))
+    return _cached(module, "_plan_routes", dtype, build)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,21 +105,14 @@ class LinearRoute:
 
 
 def linear_route(module, dtype: torch.dtype) -> LinearRoute:
-    from moeq.kernels.registry import kernels_for  # noqa: PLC0415
-
-    slot = native.plan_slot(module, "_plan_routes")
-    if slot.value is None:
-        slot.value = {}
-    route = slot.value.get(dtype)
-    if route is None:
+    """The :class:`LinearRoute` of a :class:`~moeq.nn.QuantLinear` on CPU for ``dtype`` inputs."""
+    def build() -> LinearRoute:
         on = module.kernel == "native" and native.lib() is not None
-        bf16 = on and dtype == torch.bfloat16
-        plan = linear_plan(module) if bf16 else None
-        fmt = module.packed("weight", raw=True).format
-        route = slot.value[dtype] = LinearRoute(
-            one_call=plan is not None and native.has_simd(), il16_prompt=plan is not None and module.il16("weight"),
-            gemv=tuple(kernels_for(fmt)) if on else ())
-    return route
+        plan = linear_plan(module) if on and dtype == torch.bfloat16 else None
+        return LinearRoute(one_call=plan is not None and native.has_simd(),
+                           il16_prompt=plan is not None and module.il16("weight"),
+                           gemv=tuple(kernels_for(module.packed("weight", raw=True).format)) if on else ())
+    return _cached(module, "_plan_routes", dtype, build)
 
 
 def invalidate(module) -> None:
@@ -174,17 +172,14 @@ def experts_plan(module, dot: bool, act: bool | None = None) -> ExpertsPlan | No
     in bf16 on a SIMD build) or not, with int8 activations (``act``; default: the module's option); None outside the
     kernels' formats (il16 stacks only have bf16-activation kernels)."""
     act = getattr(module, "activations", "default") == "int8" if act is None else act
-    slot = native.plan_slot(module, "_plan_experts")
-    if slot.value is None:
-        slot.value = {}
-    key = (dot, act)
-    if key not in slot.value:
+
+    def build() -> ExpertsPlan | None:
         keep: list = []
         stacks = [describe(module.packed(s, raw=True), keep, dot, act, il16=module.il16(s)) for s in ("w13", "w2")]
         ok = None not in stacks and not any(st.il16 and not st.dot_bf16 for st in stacks)
-        slot.value[key] = ExpertsPlan(stacks[0], stacks[1], keep) if ok else None
-    return slot.value[key]
+        return ExpertsPlan(stacks[0], stacks[1], keep) if ok else None
+    return _cached(module, "_plan_experts", (dot, act), build)
 
 
-__all__ = ["LinearPlan", "ExpertsPlan", "ExpertsRoute", "LinearRoute", "linear_route", "linear_plan", "experts_plan", "experts_route", "invalidate",
-           "set_rows16", "rows_limit", "LINEAR_MAX_ROWS", "MOE_MAX_ROWS"]
+__all__ = ["LinearPlan", "ExpertsPlan", "ExpertsRoute", "LinearRoute", "linear_plan", "experts_plan", "linear_route",
+           "experts_route", "invalidate", "set_rows16", "rows_limit", "LINEAR_MAX_ROWS", "MOE_MAX_ROWS"]

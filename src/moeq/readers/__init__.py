@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq.errors import MoeqError
 from moeq.io.safetensors_io import Checkpoint
-from moeq.readers import bnb, compressed_tensors, gguf, saved, source
+from moeq.readers import bnb, compressed_tensors, fp8, gguf, mxfp4, saved, source
 from moeq.readers.state import read_config
 
 
@@ -50,6 +50,8 @@ READERS: list[Reader] = [
     Reader("gguf", lambda f: f.gguf_file is not None, gguf.read),
     Reader("moeq", saved.claims, saved.read),
     Reader("compressed-tensors", compressed_tensors.claims, compressed_tensors.read),
+    Reader("fp8", fp8.claims, fp8.read),
+    Reader("mxfp4", mxfp4.claims, mxfp4.read),
     Reader("bitsandbytes", bnb.claims, bnb.read),
     Reader("source", source.claims, source.read),
 ]
@@ -76,4 +78,6 @@ def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: t
         if reader.claims(found):
             return reader.read(found, quant, dtype, progress)
     raise MoeqError(f"{path}: checkpoints quantized with quant_method={found.qc.get('quant_method')!r} are not "
-                    "supported; moeq loads bf16/fp16, moeq, bitsandbytes, compressed-tensors and moeq GGUF checkpoints")
+                    "supported; moeq loads bf16/fp16, moeq, FP8 (block-scaled e4m3), MXFP4 (gpt-oss), bitsandbytes, "
+                    "compressed-tensors and "
+                    "moeq GGUF checkpoints")

@@ -24,7 +24,7 @@ from moeq.readers.state import LoadState, compute_dtype, set_tensor
 from moeq.config import QuantConfig
 
 
-PACKED = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL")  # GGML types moeq holds as they are (RTN signed / iq4nl grids, group 32)
+PACKED = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")  # GGML types moeq holds as they are (RTN grids, group 32)
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -73,10 +73,17 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
                      grid: str = "signed") -> RTNWeight:
     """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32 * bits / 8)]`` -> RTN weight (inverse of
     ``ggml_blocks``; IQ4_NL: the ``iq4nl`` grid, its nibbles index the same table)."""
-    per = 2 + 32 * bits // 8
+    head = 1 if grid == "mxfp4" else 2  # MXFP4: an E8M0 exponent byte; the others an fp16 scale
+    per = head + 32 * bits // 8
     b = torch.from_numpy(np.array(blocks, copy=True)).reshape(*shape[:-1], shape[-1] // 32, per)
-    d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
-    qs = b[..., 2:]
+    qs = b[..., head:]
+    if grid == "mxfp4":
+        e = b[..., 0].to(torch.int32)
+        if bool((e == 255).any()):
+            raise MoeqError(f"{name}: MXFP4 exponent 255 (E8M0 NaN)")
+        d = torch.ldexp(torch.ones(e.shape), e - 128)
+    else:
+        d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
     if bits == 5:  # Q5_0: qh (4 bytes, bit j = element j's fifth bit), then the Q4_0 nibble layout
         hi = torch.stack([(qs[..., :4] >> i) & 1 for i in range(8)], dim=-1).flatten(-2)
         codes = torch.cat([qs[..., 4:] & 0xF, qs[..., 4:] >> 4], dim=-1) | (hi << 4)
@@ -86,7 +93,7 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
         qdata = (codes[..., 0::2] | (codes[..., 1::2] << 4)).flatten(-2)
     else:
         qdata = (qs.contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).flatten(-2)
-    scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(torch.float16), d) else d.float()
+    scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(d.dtype), d) else d.float()
     return RTNWeight(qdata=qdata.contiguous(), scale=scale.contiguous(), zero=None, bits=bits, group_size=32,
                      grid=grid, shape=tuple(shape), dtype=torch.bfloat16).validate(name)
 
@@ -165,7 +172,8 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             packed = gate == up and gate in PACKED and down in PACKED
         if packed:
             bits = {"Q8_0": 8, "Q5_0": 5}.get(qtype, 4)
-            w = _rtn_from_blocks(data, bits, logical, t.name, "iq4nl" if qtype == "IQ4_NL" else "signed")
+            grid = {"IQ4_NL": "iq4nl", "MXFP4": "mxfp4"}.get(qtype, "signed")
+            w = _rtn_from_blocks(data, bits, logical, t.name, grid)
             if kind.startswith("experts."):
                 for e in range(logical[0]):
                     state.put_packed(arch.disk_expert_key(hf, e, kind.split(".")[1]) + ".weight", w[e])

@@ -1,0 +1,164 @@
+"""FP8 block-scaled checkpoints (DeepSeek-V3 / Qwen3-*-FP8 layout, written by moeq.tiny.make_fp8_checkpoint after the
+published layout): loaded bit for bit as transformers' own FP8 dequantization loads them, edge tiles exact against a
+float64 reference, quantized in flight to any method exactly as the dequantized model would be, hostile scales
+refused, and exported to GGUF in one command."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import moeq
+from moeq.cli import main
+from moeq.nn import QuantExperts
+from moeq.readers.fp8 import dequantize
+from moeq.tiny import fp8_block_quantize, make_fp8_checkpoint
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    cache = {}
+
+    def make(arch="qwen3_moe", block=(128, 128)):
+        if (arch, block) not in cache:
+            cache[(arch, block)] = make_fp8_checkpoint(arch, tmp_path_factory.mktemp(f"fp8-{arch}"), block=block)
+        return cache[(arch, block)]
+
+    return make
+
+
+@pytest.mark.parametrize("arch,block", [("qwen3_moe", (128, 128)), ("mixtral", (128, 128)),
+                                        ("deepseek_v3", (16, 128))])
+def test_loads_as_transformers_dequantizes(fp8_ckpt, arch, block):
+    """Where every weight is a whole number of tiles (DeepSeek's MLA kv_a_proj_with_mqa is kv_lora_rank + rope rows:
+    144 here, so tiles of 16 rows); partial edge tiles are checked against float64 below, because transformers 5.24
+    derives the tile from ``rows // scale_rows`` (72-row tiles for 144 rows in 2 scale rows), which is not DeepSeek's
+    layout (``ceil(rows / 128)`` tiles of 128, the last one partial; DeepSeek-V3's own [576, 7168] kv_a_proj_with_mqa
+    has 5 scale rows, which transformers refuses)."""
+    path = fp8_ckpt(arch, block)
+    assert "weight_scale_inv" in "".join(load_file(str(next(path.glob("*.safetensors")))))
+    m = moeq.load(path, progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()  # CPU: transformers dequantizes
+    sd_m, sd_r = m.state_dict(), ref.state_dict()
+    assert set(sd_r) <= set(sd_m)
+    assert all(torch.equal(sd_r[k], sd_m[k]) for k in sd_r), [k for k in sd_r if not torch.equal(sd_r[k], sd_m[k])]
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, ref(ids).logits)
+
+
+def test_transformers_quantizer_writes_the_same_codes():
+    """The writer's block math equals transformers' own FP8 quantizer (Fp8Quantize) where tiles divide the weight."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)).bfloat16()
+    hf = SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=(128, 128), scale_fmt=None))
+    out = Fp8Quantize(hf)._quantize_one("x.weight", w)
+    q, s = fp8_block_quantize(w, (128, 128))
+    assert torch.equal(out["x.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(out["x.weight_scale_inv"], s)
+
+
+@pytest.mark.parametrize("shape,block", [((100, 200), (48, 80)), ((3, 70, 130), (32, 64)), ((64, 64), (128, 128))])
+def test_edge_tiles_match_float64(shape, block):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(*shape, generator=g) * 0.1
+    q, s = fp8_block_quantize(w, block)
+    got = dequantize(q, s, block, torch.bfloat16)
+    ref = torch.empty(shape, dtype=torch.float64)
+    n, k = shape[-2:]
+    for i in range(0, n, block[0]):
+        for j in range(0, k, block[1]):
+            ref[..., i:i + block[0], j:j + block[1]] = (q[..., i:i + block[0], j:j + block[1]].double()
+                                                        * s[..., i // block[0], j // block[1]].double()[..., None, None])
+    assert torch.equal(got, ref.float().bfloat16())
+
+
+@pytest.mark.parametrize("method", ["q4_0", "iq4nl-m", "nf4"])
+def test_quantized_in_flight_equals_quantizing_the_dequantized_model(fp8_ckpt, method):
+    path = fp8_ckpt("qwen3_moe", (48, 80))  # edge tiles on every weight
+    m = moeq.load(path, method, progress=False)
+    ref = moeq.quantize_(moeq.load(path, progress=False), method)
+    sd_m, sd_r = m.state_dict(), ref.state_dict()
+    assert set(sd_m) == set(sd_r) and all(torch.equal(sd_m[k], sd_r[k]) for k in sd_m)
+    assert isinstance(m.model.layers[0].mlp.experts, QuantExperts)
+
+
+def test_partial_edge_tiles_follow_deepseek_layout(fp8_ckpt):
+    path = fp8_ckpt("deepseek_v3", (128, 128))  # kv_a_proj_with_mqa: 144 rows = one full and one partial tile
+    sd = load_file(str(next(path.glob("*.safetensors"))))
+    key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    q, s = sd[key], sd[key + "_scale_inv"]
+    assert q.shape == (144, 128) and s.shape == (2, 1)
+    want = torch.cat([q[:128].double() * s[0, 0].double(), q[128:].double() * s[1, 0].double()]).float().bfloat16()
+    assert torch.equal(moeq.load(path, progress=False).state_dict()[key], want)
+
+
+def test_per_tensor_scale_and_fp16(fp8_ckpt, tmp_path):
+    path = make_fp8_checkpoint("qwen3_moe", tmp_path / "pt", block=None)
+    m = moeq.load(path, dtype=torch.float16, progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).eval()
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in ref.state_dict().items())
+
+
+def _copy(path, tmp_path):
+    import shutil
+
+    out = tmp_path / "c"
+    shutil.copytree(path, out)
+    return out
+
+
+@pytest.mark.parametrize("case,words", [
+    ("nan scale", "scales must be finite"), ("negative scale", "scales must be finite"),
+    ("huge scale", "overflows"), ("scale shape", "expected"), ("missing scale", "is missing"),
+    ("orphan scale", "scales without an FP8 weight"), ("nan code", "NaN codes"), ("block size", "weight_block_size"),
+    ("e5m2", "E5M2")])
+def test_hostile_fp8_is_refused(fp8_ckpt, tmp_path, case, words):
+    out = _copy(fp8_ckpt("qwen3_moe"), tmp_path)
+    f = next(out.glob("*.safetensors"))
+    sd = load_file(str(f))
+    skey = next(k for k in sd if k.endswith("q_proj.weight_scale_inv"))
+    wkey = skey[: -len("_scale_inv")]
+    if case == "nan scale":
+        sd[skey].view(-1)[0] = float("nan")
+    elif case == "negative scale":
+        sd[skey].view(-1)[0] = -1.0
+    elif case == "huge scale":
+        sd[skey].view(-1)[0] = 1e37
+    elif case == "scale shape":
+        sd[skey] = torch.ones(3, 3)
+    elif case == "missing scale":
+        del sd[skey]
+    elif case == "orphan scale":
+        sd["model.layers.0.self_attn.nothing.weight_scale_inv"] = torch.ones(1, 1)
+    elif case == "nan code":
+        sd[wkey].view(torch.uint8).view(-1)[5] = 0x7F
+    elif case == "e5m2":
+        sd[wkey] = sd[wkey].float().to(torch.float8_e5m2)
+    if case == "block size":
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"]["weight_block_size"] = [0, 128]
+        (out / "config.json").write_text(json.dumps(cfg))
+    else:
+        save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(moeq.MoeqError, match=words):
+        moeq.load(out, progress=False)
+
+
+def test_fp8_to_gguf_in_one_command(fp8_ckpt, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(fp8_ckpt("mixtral")), str(out), "--format", "gguf", "--method", "q4_0",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert out.exists() and summary["kl_vs_moeq"] is not None and summary["kl_vs_moeq"] < 0.05
+    g = moeq.load(out, progress=False)
+    ref = moeq.load(fp8_ckpt("mixtral"), "q4_0", progress=False)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(g(ids).logits.argmax(-1), ref(ids).logits.argmax(-1))
