@@ -66,6 +66,11 @@ _TABLE: tuple[Arch, ...] = (
     Arch(("qwen3_moe",)),
     Arch(("olmoe",)),
     Arch(("deepseek_v3",), notes="MLA projections and shared experts quantized; router + bias kept"),
+    Arch(("glm4_moe",), notes="GLM-4.5 (DeepSeek-style routing): shared experts quantized; router and its "
+                              "e_score_correction_bias kept; the first dense layers' MLPs quantized as linears"),
+    Arch(("qwen3_next",), keep=("*.linear_attn.*",),
+         notes="gated DeltaNet linear-attention layers kept in the compute dtype; shared expert quantized, its gate "
+               "kept"),
     Arch(("jamba",), notes="mamba mixers kept in the compute dtype"),
     Arch(("granitemoe",), renames=(
         (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),

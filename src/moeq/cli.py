@@ -265,10 +265,17 @@ def cmd_chat(args) -> int:
 def cmd_inspect(args) -> int:
     import moeq
 
+    from moeq import readers
+    from moeq.io import hub
+
+    source = readers.describe(hub.resolve(args.model))
     info = moeq.inspect(moeq.load(args.model, progress=False))
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(json.dumps(info | {"source": source}, indent=1))
         return 0
+    extra = ", ".join(f"{k}={v}" for k, v in source.items() if k not in ("reader", "without_method", "with_method"))
+    print(f"source: {source['reader']} ({extra})\n  loaded without a method: {source['without_method']}\n"
+          f"  with --method M: {source['with_method']}\n")
     rows = [r | {"detail": ",".join(f"{k}={v}" for k, v in r["detail"].items() if k != "dtype")} for r in info["modules"]]
     print(_table(rows, [("module", "module", ""), ("format", "format", ""), ("detail", "settings", ""),
                         ("bits_per_weight", "bits/w", ".3f"), ("bytes", "bytes", ",")]))

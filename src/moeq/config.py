@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from moeq.formats import PackedWeight, bnb4, int8, rtn
+from moeq.formats.grids import grid
 from moeq.errors import MoeqError
 
 FORMAT_CONFIGS: dict[str, type[FormatConfig]] = {}
@@ -72,7 +73,7 @@ class RTN(FormatConfig):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
-    grid: Literal["vllm", "signed", "iq4nl", "nl3"] = "vllm"
+    grid: Literal["vllm", "signed", "iq4nl", "nl3", "mxfp4"] = "vllm"
     search: int = 0  # clip candidates per group; signed/codebook grids: importance-weighted scale search steps
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
@@ -91,14 +92,14 @@ class RTN(FormatConfig):
                              "4096 or -1")
         if self.weighting not in rtn.WEIGHTINGS:
             raise MoeqError(f"unsupported search weighting {self.weighting!r}; valid choices: {list(rtn.WEIGHTINGS)}")
-        if self.grid in rtn.CODEBOOKS and (self.bits != rtn.CODEBOOK_BITS[self.grid] or not self.symmetric
-                                           or self.refine or self.hqq):
-            b = rtn.CODEBOOK_BITS[self.grid]
-            raise MoeqError(f"grid {self.grid!r} is a symmetric {b}-bit codebook: bits={b}, symmetric, no refine/hqq")
         if not 0 <= self.search <= 127:
             raise MoeqError(f"search must be 0..127, got {self.search}")
-        if self.double_quant and self.grid not in rtn.CODEBOOKS:
-            raise MoeqError(f"double_quant is for the codebook grids {list(rtn.CODEBOOKS)}, not grid={self.grid!r}")
+        row = grid(self.grid)
+        row = row if self.symmetric or row.codebook else grid("asym")
+        problem = row.problem(self.bits, self.symmetric, self.search, self.refine, self.hqq, self.double_quant,
+                              self.group_size)
+        if problem:
+            raise MoeqError(problem)
 
     def quantize(self, w, name=None, slices=None):
         return rtn.quantize(w, self.bits, self.group_size_for(w.shape[-1]), self.symmetric, self.grid, name=name,

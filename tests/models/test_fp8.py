@@ -31,7 +31,8 @@ def fp8_ckpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch,block", [("qwen3_moe", (128, 128)), ("mixtral", (128, 128)),
-                                        ("deepseek_v3", (16, 128))])
+                                        ("deepseek_v3", (16, 128)), ("glm4_moe", (128, 128)),
+                                        ("qwen3_next", (128, 128))])
 def test_loads_as_transformers_dequantizes(fp8_ckpt, arch, block):
     """Where every weight is a whole number of tiles (DeepSeek's MLA kv_a_proj_with_mqa is kv_lora_rank + rope rows:
     144 here, so tiles of 16 rows); partial edge tiles are checked against float64 below, because transformers 5.24
@@ -162,3 +163,12 @@ def test_fp8_to_gguf_in_one_command(fp8_ckpt, tmp_path, capsys):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.equal(g(ids).logits.argmax(-1), ref(ids).logits.argmax(-1))
+
+
+def test_inspect_names_the_source(fp8_ckpt, capsys):
+    assert main(["inspect", str(fp8_ckpt("qwen3_moe")), "--json"]) == 0
+    src = json.loads(capsys.readouterr().out)["source"]
+    assert src["reader"] == "fp8" and src["weight_block_size"] == [128, 128] and src["fp8_weights"] > 0
+    assert "dequantized" in src["without_method"] and "re-quantized" in src["with_method"]
+    assert main(["inspect", str(fp8_ckpt("qwen3_moe"))]) == 0
+    assert "source: fp8" in capsys.readouterr().out

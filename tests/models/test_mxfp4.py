@@ -109,3 +109,12 @@ def test_hostile_mxfp4_is_refused(gptoss, tmp_path, case, words):
     with pytest.raises(moeq.MoeqError, match=words):
         moeq.load(out, progress=False)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+
+
+def test_inspect_names_the_source(gptoss, capsys):
+    from moeq.cli import main
+
+    assert main(["inspect", str(gptoss), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"]["reader"] == "mxfp4" and out["source"]["mxfp4_stacks"] == 4
+    assert any(r["format"] == "rtn" and r["detail"].get("grid") == "mxfp4" for r in out["modules"])

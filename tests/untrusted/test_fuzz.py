@@ -262,6 +262,26 @@ def test_fuzz_fp8_source(fp8_ref, isolated, data):
     check(isolated, src, ref, mutation, data, quant="q4_0")
 
 
+@pytest.fixture(scope="module")
+def mxfp4_ref(isolated, tmp_path_factory):
+    from moeq.tiny import make_mxfp4_checkpoint
+
+    src = make_mxfp4_checkpoint(tmp_path_factory.mktemp("mxsrc") / "c")
+    ref = tmp_path_factory.mktemp("mxref") / "ref.pt"
+    r = isolated.load(src, save=ref)
+    assert r["outcome"] == "ok" and r["finite"], r
+    return src, ref
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_mxfp4_source(mxfp4_ref, isolated, data):
+    """A gpt-oss MXFP4 checkpoint (uint8 E2M1 blocks and E8M0 scales, bf16 biases and attention), loaded as stored."""
+    src, ref = mxfp4_ref
+    mutation = data.draw(st.sampled_from([m_header, m_tensor, m_tensor, m_config]), label="how")
+    check(isolated, src, ref, mutation, data)
+
+
 def m_gguf(data, d: Path) -> None:
     """Structural damage to a GGUF file: its counts/version, its tensor-info table (types, dims, offsets), a
     truncated or extended tail. (Not the values inside metadata strings: another number in the stored transformers

@@ -26,6 +26,7 @@ from torch import nn
 from moeq.arch import Arch
 from moeq.export.common import expert_pieces, quantized_modules
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
+from moeq.formats.grids import GRIDS
 from moeq.io.writer import unique_tensors
 from moeq.nn import QuantExperts, QuantLinear
 from moeq.errors import MoeqError
@@ -95,25 +96,24 @@ def gguf_lib():
 # ---------------------------------------------------------------------------------------------- tensor conversion
 def ggml_type(w: PackedWeight) -> str | None:
     """``Q4_0``/``Q5_0``/``Q8_0``/``IQ4_NL``/``MXFP4`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
-    if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32 or w.bits not in (4, 5, 8):
+    if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32:
         return None
-    if w.grid == "mxfp4":  # E2M1 codes with 2^(e-128) scales (validated): llama.cpp's MXFP4 blocks exactly
-        return "MXFP4"
-    if w.grid not in ("vllm", "signed", "iq4nl"):
-        return None
+    qtype = GRIDS[w.grid].ggml_type(w.bits) if w.grid in GRIDS else None
+    if qtype is None or GRIDS[w.grid].ggml_head == "e8m0":  # E8M0 heads: the scales are validated powers of two
+        return qtype
     if w.scale_super is not None:  # double-quantized: the codes as they are, code x row factor rounded to fp16
-        return "IQ4_NL" if torch.isfinite(w.group_scales().to(torch.float16)).all() else None
+        return qtype if torch.isfinite(w.group_scales().to(torch.float16)).all() else None
     d = w.scale.to(torch.float16)
     if not (torch.isfinite(d).all() and torch.equal(d.to(w.scale.dtype), w.scale)):
         return None  # a scale fp16 cannot hold exactly (tiny/huge, or fp32 scales)
-    return "IQ4_NL" if w.grid == "iq4nl" else {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}[w.bits]
+    return qtype
 
 
 def ggml_blocks(w: RTNWeight) -> torch.Tensor:
     """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts
     (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do; MXFP4 too, after a
     one-byte E8M0 exponent instead of the fp16 scale)."""
-    if w.grid == "mxfp4":
+    if GRIDS[w.grid].ggml_head == "e8m0":
         e = (torch.frexp(w.scale.float())[1] + 127).to(torch.uint8)  # scale = 2^(e - 128) = 0.5 * 2^(frexp exp)
         codes = w.codes().unflatten(-1, (-1, 32))
         return torch.cat([e.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1).flatten(-2)

@@ -4,6 +4,11 @@ A format is one file here: a frozen :class:`PackedWeight` subclass (tensor field
 metadata fields, ``format`` name) and a ``quantize(w, ...) -> Weight`` function. Nothing here imports above
 ``moeq.native`` (the native library) and ``moeq.errors``.
 
+Adding an RTN grid (a new value table or rounding on moeq's RTN storage, as ``mxfp4`` was added): a row in
+:mod:`moeq.formats.grids` (values, bits, search, GGML block type), its rounding in ``rtn.quantize`` when it is not
+one the table implies, a preset in :mod:`moeq.config`; the native codebook kernels, the describers and the GGUF
+exporter and reader then take it from the row.
+
 Adding a format (what rtn.py, bnb4.py and int8.py each follow):
 1. ``formats/<name>.py``: the weight class with ``dequantize_reference`` (plain torch, the ground truth),
    ``_problems`` (shapes/dtypes/statistics checked against its metadata, see ``PackedWeight.problems``),

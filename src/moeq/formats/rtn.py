@@ -40,7 +40,9 @@ import torch
 from moeq.formats.base import (
     PackedWeight, bad_stats, check_finite, check_result, check_float, choice_error, expect_tensor, row_chunks, tensor_field,
 )
-from moeq.formats.codebooks import IQ4NL, MXFP4, NL3
+from moeq.formats.codebooks import MXFP4
+from moeq.formats.grids import GRIDS as GRID_TABLE
+from moeq.formats.grids import grid as grid_row
 from moeq.formats.packing import codes_per_unit, pack, packed_size, unpack
 from moeq.errors import MoeqError
 
@@ -50,10 +52,13 @@ GROUP_SIZES = (32, 64, 128, 256, -1)  # the common ones; any multiple of 16 up t
 
 def valid_group_size(gs: int) -> bool:
     return gs == -1 or (16 <= gs <= 4096 and gs % 16 == 0)
-GRIDS = ("vllm", "signed", "iq4nl", "nl3", "mxfp4")
-CODEBOOKS = {"iq4nl": IQ4NL, "nl3": NL3, "mxfp4": MXFP4}  # grids whose values are a table: value = scale * table[code]
-MX_GROUP = 32  # mxfp4: OCP MX blocks of 32, each scale a power of two 2^(e - 128), e in 0..254 (E8M0, NaN excluded)
-CODEBOOK_BITS = {g: len(v).bit_length() - 1 for g, v in CODEBOOKS.items()}
+
+
+# the grids a config names (``asym`` is the symmetric=False form); their rows in moeq.formats.grids
+GRIDS = tuple(n for n, g in GRID_TABLE.items() if g.symmetric)
+CODEBOOKS = {n: g.table for n, g in GRID_TABLE.items() if g.codebook}  # value = scale * table[code]
+CODEBOOK_BITS = {n: g.bits[0] for n, g in GRID_TABLE.items() if g.codebook}
+MX_GROUP = GRID_TABLE["mxfp4"].group_size  # OCP MX blocks; each scale 2^(e - 128), e in 0..254 (E8M0, NaN excluded)
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
 
 
@@ -91,16 +96,15 @@ def quantize_mx(w: torch.Tensor, name: str | None = None) -> RTNWeight:
 
 def searched_natively(grid: str, bits: int, symmetric: bool, search: int) -> bool:
     """Whether :func:`quantize` takes the importance-weighted codebook search (native, ~0.5 GB/s) for these
-    settings: always on the codebook grids, with ``search`` on the 4/5-bit signed grid."""
-    return symmetric and ((grid in CODEBOOKS and grid != "mxfp4") or (grid == "signed" and bool(search)
-                                                                         and bits in (4, 5)))
+    settings (:meth:`moeq.formats.grids.Grid.searched`)."""
+    g = GRID_TABLE.get(grid)
+    return symmetric and g is not None and g.searched(bits, search)
 
 
 def grid_values(grid: str, bits: int = 4) -> tuple[int, ...] | None:
     """The values a symmetric grid decodes codes 0.. to, in units of the scale (None: asymmetric)."""
-    if grid in CODEBOOKS:
-        return CODEBOOKS[grid]
-    return tuple(range(-(1 << (bits - 1)), 1 << (bits - 1))) if grid in ("vllm", "signed") else None
+    g = GRID_TABLE.get(grid)
+    return None if g is None else g.values(bits)
 
 
 def native_values(grid: str, bits: int) -> torch.Tensor:
@@ -150,26 +154,27 @@ class RTNWeight(PackedWeight):
         if k % gs or k % codes_per_unit(self.bits):
             return [f"K={k} is not a multiple of group_size {gs} and of {codes_per_unit(self.bits)} "
                     f"({self.bits}-bit packing)"]
-        if self.grid not in (*GRIDS, "asym"):
-            return [f"grid {self.grid!r} not in {[*GRIDS, 'asym']}"]
-        if self.grid in CODEBOOKS and self.bits != CODEBOOK_BITS[self.grid]:
-            return [f"grid {self.grid!r} is a {CODEBOOK_BITS[self.grid]}-bit codebook, not {self.bits}-bit"]
-        if (self.grid == "asym") != (self.zero is not None):
+        row = GRID_TABLE.get(self.grid) if isinstance(self.grid, str) else None
+        if row is None:
+            return [f"grid {self.grid!r} not in {sorted(GRID_TABLE)}"]
+        if self.bits not in row.bits:
+            return [f"grid {self.grid!r} is a {row.bits[0]}-bit codebook, not {self.bits}-bit" if row.codebook
+                    else f"grid {self.grid!r} takes bits {list(row.bits)}, not {self.bits}"]
+        if row.symmetric == (self.zero is not None):
             return ["an asymmetric grid needs its zero points" if self.zero is None else
                     f"zero points given for the symmetric grid {self.grid!r}"]
         out = expect_tensor(self.qdata, "qdata", (*lead, packed_size(k, self.bits)), (torch.uint8,))
         if self.scale_super is not None:
-            if self.grid not in CODEBOOKS:
-                return [f"double-quantized scales (scale_super) are for codebook grids {list(CODEBOOKS)}, not "
-                        f"{self.grid!r}"]
+            if not row.double_quant:
+                return [f"double-quantized scales (scale_super) are not for grid {self.grid!r}"]
             out += expect_tensor(self.scale, "scale", (*lead, k // gs), (torch.int8,))
             out += expect_tensor(self.scale_super, "scale_super", lead, (torch.bfloat16,))
             if out:
                 return out
-            reach = 127 * max(abs(v) for v in CODEBOOKS[self.grid])
+            reach = 127 * max(abs(v) for v in row.table)
             return bad_stats(self.scale_super, "scale_super", torch.finfo(self.dtype).max / reach, nonneg=True)
         out += expect_tensor(self.scale, "scale", (*lead, k // gs), (torch.bfloat16, torch.float16, torch.float32))
-        if self.grid == "mxfp4" and not out:
+        if row.ggml_head == "e8m0" and not out:  # the format's scales are E8M0 exponents
             out += mx_scale_problems(self.scale, self.group_size)
         if self.zero is not None:
             out += expect_tensor(self.zero, "zero", (*lead, k // gs), (torch.uint8,))
@@ -179,8 +184,8 @@ class RTNWeight(PackedWeight):
         if self.zero is not None and self.zero.numel() and int(self.zero.max()) > maxq:
             out.append(f"zero holds points above {maxq}, the {self.bits}-bit maximum")
         reach = maxq if self.zero is not None else 1 << (self.bits - 1)  # the largest |q - zero|
-        if self.grid in CODEBOOKS:
-            reach = max(abs(v) for v in CODEBOOKS[self.grid])
+        if row.codebook:
+            reach = max(abs(v) for v in row.table)
         return out + bad_stats(self.scale, "scale", torch.finfo(self.dtype).max / reach)
 
     def __getitem__(self, idx: int) -> RTNWeight:
@@ -285,6 +290,7 @@ def quantize(
                          f"(e.g. {list(GROUP_SIZES[:-1])}) or -1 (one group per row)")
     if grid not in GRIDS:
         raise choice_error("RTN grid", grid, GRIDS)
+    row = grid_row(grid) if symmetric or grid_row(grid).codebook else GRID_TABLE["asym"]
     check_float(w, name)
     if w.shape[-1] % codes_per_unit(bits):
         raise MoeqError(f"tensor {name or '<unnamed>'}: last dim {w.shape[-1]} must be a multiple of "
@@ -292,9 +298,9 @@ def quantize(
     _groups(w, group_size, name)  # validates divisibility
     k = w.shape[-1]
     gs = k if group_size == -1 else group_size
-    if grid in CODEBOOKS and (bits != CODEBOOK_BITS[grid] or not symmetric):
-        raise MoeqError(f"grid {grid!r} is a symmetric {CODEBOOK_BITS[grid]}-bit codebook: use "
-                        f"bits={CODEBOOK_BITS[grid]}, symmetric=True")
+    problem = row.problem(bits, symmetric, search, refine, hqq, double_quant, group_size)
+    if problem:
+        raise MoeqError(problem)
     if weighting not in WEIGHTINGS:
         raise choice_error("search weighting", weighting, tuple(WEIGHTINGS))
     if importance is not None:
@@ -302,17 +308,7 @@ def quantize(
         if importance.shape != (w.shape[-1],) or not bool(torch.isfinite(importance).all() & (importance >= 0).all()):
             raise MoeqError(f"tensor {name or '<unnamed>'}: importance must be {w.shape[-1]} finite values >= 0, got "
                             f"shape {tuple(importance.shape)}")
-    if refine and symmetric and grid != "vllm":
-        raise MoeqError(f"refine works on the 'vllm' symmetric grid or asymmetric grids, not grid={grid!r}")
-    if hqq and symmetric:
-        raise MoeqError("hqq fits a scale and a zero point: it needs an asymmetric grid (symmetric=False)")
-    if double_quant and grid not in CODEBOOKS:
-        raise MoeqError(f"double_quant (int8 codes of a per-row scale) is for the codebook grids {list(CODEBOOKS)}, "
-                        f"not grid={grid!r}")
     if grid == "mxfp4":
-        if search or refine or hqq or double_quant or group_size != MX_GROUP:
-            raise MoeqError(f"grid 'mxfp4' is OCP MXFP4: group_size {MX_GROUP}, power-of-two scales, no search, "
-                            "refine, hqq or double_quant")
         return check_result(quantize_mx(w, name), w, name)
     if searched_natively(grid, bits, symmetric, search):
         q = _codebook_search(w, grid, bits, gs, search, weighting, group_size, name, importance, native)

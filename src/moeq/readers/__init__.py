@@ -81,3 +81,37 @@ def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: t
                     "supported; moeq loads bf16/fp16, moeq, FP8 (block-scaled e4m3), MXFP4 (gpt-oss), bitsandbytes, "
                     "compressed-tensors and "
                     "moeq GGUF checkpoints")
+
+
+SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (without a method, with --method M)
+    "gguf": ("GGML blocks moeq holds (Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4) run as stored; other types decoded by gguf-py",
+             "refused: already quantized"),
+    "moeq": ("run as saved", "refused: already quantized"),
+    "fp8": ("FP8 weights dequantized (x scale tile) to the compute dtype", "FP8 weights dequantized and re-quantized "
+            "with M in flight"),
+    "mxfp4": ("experts run as stored (moeq's mxfp4 grid)", "experts dequantized and re-quantized with M; bf16 linears "
+              "quantized with M"),
+    "compressed-tensors": ("pack-quantized weights run as stored (RTN)", "refused: already quantized"),
+    "bitsandbytes": ("4/8-bit states run as stored; bf16 experts quantized with the checkpoint's settings",
+                     "bf16 tensors quantized with M; stored states run as stored"),
+    "source": ("kept in the compute dtype", "quantized with M in flight (experts, attention; routers, norms, "
+               "embeddings and the head kept by the default policy)"),
+}
+
+
+def describe(path: Path) -> dict:
+    """What a checkpoint is and what loading it does (``moeq inspect``'s "source" section)."""
+    found = inspect(path, torch.device("cpu"))
+    reader = next((r for r in READERS if r.claims(found)), None)
+    name = reader.name if reader else (found.qc or {}).get("quant_method", "unknown")
+    out = {"reader": name, "quant_method": (found.qc or {}).get("quant_method")}
+    if name == "fp8":
+        out["weight_block_size"] = fp8.block_size(found.qc, path)
+        out["fp8_weights"] = sum(1 for i in found.ckpt.tensors.values() if i.dtype == torch.float8_e4m3fn)
+    elif name == "mxfp4":
+        out["mxfp4_stacks"] = sum(1 for k in found.ckpt.tensors if k.endswith("_blocks"))
+    if found.ckpt is not None:
+        out["tensors"] = len(found.ckpt.tensors)
+    without, with_method = SOURCE_ACTIONS.get(name, ("refused", "refused"))
+    out["without_method"], out["with_method"] = without, with_method
+    return out

@@ -19,12 +19,13 @@ from transformers import AutoConfig
 
 from moeq.errors import MoeqError
 from moeq.formats import RTNWeight
+from moeq.formats.grids import GRIDS, from_ggml
 from moeq.formats.packing import pack
 from moeq.readers.state import LoadState, compute_dtype, set_tensor
 from moeq.config import QuantConfig
 
 
-PACKED = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")  # GGML types moeq holds as they are (RTN grids, group 32)
+PACKED = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")  # GGML types moeq holds as they are (grids.from_ggml, group 32)
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -73,11 +74,12 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
                      grid: str = "signed") -> RTNWeight:
     """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32 * bits / 8)]`` -> RTN weight (inverse of
     ``ggml_blocks``; IQ4_NL: the ``iq4nl`` grid, its nibbles index the same table)."""
-    head = 1 if grid == "mxfp4" else 2  # MXFP4: an E8M0 exponent byte; the others an fp16 scale
+    e8m0 = GRIDS[grid].ggml_head == "e8m0"
+    head = 1 if e8m0 else 2  # MXFP4: an E8M0 exponent byte; the others an fp16 scale
     per = head + 32 * bits // 8
     b = torch.from_numpy(np.array(blocks, copy=True)).reshape(*shape[:-1], shape[-1] // 32, per)
     qs = b[..., head:]
-    if grid == "mxfp4":
+    if e8m0:
         e = b[..., 0].to(torch.int32)
         if bool((e == 255).any()):
             raise MoeqError(f"{name}: MXFP4 exponent 255 (E8M0 NaN)")
@@ -171,9 +173,8 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             gate, up, down = (types.get(f"{blk}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
             packed = gate == up and gate in PACKED and down in PACKED
         if packed:
-            bits = {"Q8_0": 8, "Q5_0": 5}.get(qtype, 4)
-            grid = {"IQ4_NL": "iq4nl", "MXFP4": "mxfp4"}.get(qtype, "signed")
-            w = _rtn_from_blocks(data, bits, logical, t.name, grid)
+            row, bits = from_ggml(qtype)
+            w = _rtn_from_blocks(data, bits, logical, t.name, row.name)
             if kind.startswith("experts."):
                 for e in range(logical[0]):
                     state.put_packed(arch.disk_expert_key(hf, e, kind.split(".")[1]) + ".weight", w[e])
