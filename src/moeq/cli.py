@@ -452,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  moeq quantize Qwen3-30B-A3B qwen-rtn4\n"
                        "  moeq quantize mistralai/Mixtral-8x7B-v0.1 mixtral-nf4 --method nf4 --rule 'lm_head=rtn-int8'\n"
                        "  moeq quantize SRC OUT --method rtn-int4 --rule '*.self_attn.*=rtn-int8' --overwrite")
-    q.add_argument("src", help="a bf16/fp16 checkpoint folder, a Hub id in the local cache, or a bitsandbytes one")
+    q.add_argument("src", help="a bf16/fp16, FP8 (block-scaled), MXFP4 (gpt-oss) or bitsandbytes checkpoint folder, "
+                               "or a Hub id in the local cache")
     q.add_argument("out", help="output folder (written atomically)")
     method_args(q, "rtn-int4")
     q.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT (nothing else)")
@@ -510,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  moeq export qwen-moeq out-ct --format compressed-tensors\n"
                        "  moeq export Qwen3-30B-A3B qwen.gguf --format gguf --method q4_0   # bf16 -> GGUF, lossless",
                        formatter_class=_Formatter)
-    e.add_argument("model", help="a moeq checkpoint, or a bf16 source with --method (quantized in flight)")
+    e.add_argument("model", help="a moeq checkpoint, or a bf16, FP8 or MXFP4 source with --method (quantized in "
+                                 "flight)")
     e.add_argument("out", help="output folder; for gguf also a file name ending in .gguf")
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
     method_args(e, None)

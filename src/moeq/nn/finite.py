@@ -3,8 +3,8 @@
 Every statistic of a checkpoint can be finite and within its own bound while a product of them overflows (a scale
 of 1e37 times a code, an fp16 activation past 65504, a bf16 head value of 3e38). Rather than bound every product
 at load, moeq checks what the model computes: the embedding's output, each decoder layer's output and the final
-logits (``torch.isfinite(...).all()``: one pass over a ``[tokens, hidden]`` tensor per layer, well under 1% of a
-step), and raises :class:`NonFiniteError` at the first module whose output is non-finite while its input was finite.
+logits (one summing pass over each output, :func:`finite`: well under 1% of a step), and raises
+:class:`NonFiniteError` at the first module whose output is non-finite while its input was finite.
 The native whole-step decode path (:mod:`moeq.nn.engine`) checks its logits the same way.
 """
 from __future__ import annotations
@@ -37,9 +37,19 @@ def _kind(t: torch.Tensor) -> str:
     return "NaN" if torch.isnan(t).any() else "Inf"
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN/Inf: row sums in ``t``'s own dtype (one read pass, no mask or upcast copy; a NaN or
+    Inf makes its row's sum non-finite — 10 ms for 512 x 151936 bf16 logits, against 245 ms for ``isfinite().all()``),
+    confirmed element-wise only when a sum is not finite (a row of huge finite values can overflow)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    rows = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    return bool(torch.isfinite(rows.sum(-1)).all()) or bool(torch.isfinite(t).all())
+
+
 def check(t: torch.Tensor, where: str, dtype_hint: torch.dtype | None = None) -> None:
     """Raise :class:`NonFiniteError` when floating-point ``t`` holds NaN or Inf."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if not finite(t):
         raise NonFiniteError(f"{where} produced {_kind(t)} values from finite input: a weight or scale in it "
                              f"overflows in {dtype_hint or t.dtype} (the checkpoint's statistics multiply past the "
                              "largest finite value); moeq stops rather than emit non-finite logits")
@@ -53,10 +63,10 @@ class _Guard:
 
     def __call__(self, module: nn.Module, args, kwargs, output):
         out = _first(output)
-        if out is None or not out.is_floating_point() or bool(torch.isfinite(out).all()):
+        if out is None or finite(out):
             return None
         inp = _first(args) if args else _first(kwargs.get("hidden_states", kwargs.get("inputs_embeds")))
-        if inp is not None and inp.is_floating_point() and not bool(torch.isfinite(inp).all()):
+        if inp is not None and not finite(inp):
             return None  # an earlier module's fault, reported there (or the caller's input)
         check(out, self.name)
         return None

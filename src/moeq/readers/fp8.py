@@ -118,7 +118,8 @@ class Fp8Source:
         limit = torch.finfo(self.dtype).max / E4M3_MAX
         if not torch.isfinite(s).all() or (s <= 0).any() or (s > limit).any():
             raise MoeqError(f"{sinfo.file}: {sinfo.name}: scales must be finite, positive and at most {limit:.3g} "
-                            f"(a larger one overflows {self.dtype}); min {s.min().item():.3g}, max {s.max().item():.3g}")
+                            f"(a larger one overflows {self.dtype}); min {s.min().item():.3g}, "
+                            f"max {s.max().item():.3g}")
 
     def keys(self) -> list[str]:
         return [k for k in self.ckpt.keys() if k in self.tensors]
