@@ -45,15 +45,13 @@ def main() -> None:
                                    text=True, check=True)
                 rows.append({"round": r, "method": method, "tree": tree, **json.loads(p.stdout.strip().splitlines()[-1])})
                 print(json.dumps(rows[-1]), flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "")
     best = {}
     for row in rows:
         b = best.setdefault(f"{row['method']} {row['tree']}", {})
         for k, v in row.items():
             if k.endswith("_tps"):
                 b[k] = max(b.get(k, 0), v)
-    res = {"cpu": cpu, "threads": os.cpu_count(), "rounds": rows, "best": best}
+    res = {"cpu": bench.cpu_summary(), "threads": os.cpu_count(), "rounds": rows, "best": best}
     print(json.dumps(best, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

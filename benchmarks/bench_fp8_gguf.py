@@ -1,7 +1,8 @@
 """FP8 checkpoint -> Q4_0 GGUF in one streamed command, against the same export from the bf16 checkpoint, on the
 ``moeq bench`` model (Qwen3-30B-A3B's layer shapes, 4 layers, vocab 151936): wall time, read GB/s and peak RSS of
 ``moeq export SRC model.gguf --format gguf --method q4_0`` (the export's own KL check included), each in a fresh
-process, and the load alone (``moeq.load(SRC, "q4_0")``). The FP8 checkpoint is the bench checkpoint in DeepSeek's block-scaled layout (128x128 tiles), written once.
+process, and the load alone (``moeq.load(SRC, "q4_0")``). The FP8 checkpoint is the bench checkpoint in DeepSeek's
+block-scaled layout (128x128 tiles, ``moeq.tiny.to_fp8``), written once.
 
     python benchmarks/bench_fp8_gguf.py --out benchmarks/results/fp8_gguf.json
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,39 +36,11 @@ print(json.dumps({"rc": rc, "seconds": time.perf_counter() - t,
 
 
 def fp8_copy(src: Path, out: Path) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
+    from moeq.tiny import to_fp8
 
-    from moeq.tiny import FP8_SKIP, fp8_block_quantize
-
-    if (out / "done").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            if f.is_file() and f.name != "done":
-                shutil.copy2(f, out / f.name)
-            continue
-        sd, new = load_file(str(f)), {}
-        for key, t in sd.items():
-            if t.ndim >= 2 and key.endswith("weight") and not any(s in key for s in FP8_SKIP):
-                new[key], new[key + "_scale_inv"] = fp8_block_quantize(t, (128, 128))
-            else:
-                new[key] = t
-        save_file(new, str(out / f.name), metadata={"format": "pt"})
-        del sd, new
-    idx = out / "model.safetensors.index.json"
-    if idx.exists():
-        index = json.loads(idx.read_text())
-        for key, fname in list(index["weight_map"].items()):
-            if key.endswith("weight") and not any(s in key for s in FP8_SKIP):
-                index["weight_map"][key + "_scale_inv"] = fname
-        idx.write_text(json.dumps(index))
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    (out / "done").write_text("1")
+    if not (out / "done").exists():
+        to_fp8(src, out, (128, 128))
+        (out / "done").write_text("1")
     return out
 
 
@@ -113,9 +85,7 @@ def main() -> None:
                 rows.append({"round": r, "source": kind, "step": "load with q4_0 only", **load,
                              "read_gbps": size[kind] / load["seconds"] / 1e9})
                 print(json.dumps(rows[-1]), flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "")
-    res = {"cpu": cpu, "threads": os.cpu_count(), "model": "moeq bench: Qwen3-30B-A3B layer shapes, 4 layers",
+    res = {"cpu": bench.cpu_summary(), "threads": os.cpu_count(), "model": "moeq bench: Qwen3-30B-A3B layer shapes, 4 layers",
            "rows": rows, "date": time.strftime("%Y-%m-%d")}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

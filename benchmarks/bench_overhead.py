@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -64,11 +63,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for t in args.trees:
             rows[t].append(run(t))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from moeq.bench import cpu_summary  # noqa: PLC0415
+
     summary = {t: {k: {"best": min(r[k] for r in rs), "median": sorted(r[k] for r in rs)[len(rs) // 2]}
                    for k in rs[0]} for t, rs in rows.items()}
-    res = {"cpu": cpu, "threads": os.cpu_count(), "rounds": rows, "summary": summary}
+    res = {"cpu": cpu_summary(), "threads": os.cpu_count(), "rounds": rows, "summary": summary}
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -118,7 +118,7 @@ def memory_bandwidth(gb: float = 1.0, repeat: int = 5) -> float:
 
 def cpu_summary() -> dict:
     """The CPU the numbers were measured on (model name and the vector extensions moeq's kernels care about): these
-    machines differ from day to day (AVX512-BF16 Zen 4, AVX2-only Zen 3)."""
+    machines differ from day to day (AVX512-BF16 Zen 4, Sapphire Rapids with AMX, AVX2-only Zen 3)."""
     name, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -128,7 +128,8 @@ def cpu_summary() -> dict:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    wanted = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512vbmi", "avx_vnni")
+    wanted = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512vbmi", "avx_vnni",
+              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
     return {"model": name, "flags": [f for f in wanted if f in flags]}
 
 

@@ -133,30 +133,43 @@ def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
 
 def make_fp8_checkpoint(model_type: str, out: str | os.PathLike, block: tuple[int, int] | None = (128, 128),
                         **kw) -> Path:
-    """A tiny checkpoint in the FP8 block-scaled layout DeepSeek-V3 / Qwen3-*-FP8 ship: every linear weight of the
-    decoder layers (experts included; not the embeddings, head, norms or routers) as ``weight`` F8_E4M3 +
-    ``weight_scale_inv`` F32, and ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
-    "weight_block_size": block, "activation_scheme": "dynamic"}`` (``block=None``: one scale per tensor)."""
+    """A tiny checkpoint in the FP8 block-scaled layout DeepSeek-V3 / Qwen3-*-FP8 ship (:func:`to_fp8` of a random
+    tiny checkpoint)."""
+    out = make_checkpoint(model_type, out, **kw)
+    return to_fp8(out, out, block)
+
+
+def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int] | None = (128, 128)) -> Path:
+    """Write ``src`` (a bf16 checkpoint folder; ``out`` may be the same folder) in the FP8 block-scaled layout: every
+    linear weight of the decoder layers (experts included; not the embeddings, head, norms or routers) as ``weight``
+    F8_E4M3 + ``weight_scale_inv`` F32 (:func:`fp8_block_quantize`; ``block=None``: one scale per tensor), shard by
+    shard, and ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": block,
+    "activation_scheme": "dynamic"}``."""
     import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
 
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
-    out = make_checkpoint(model_type, out, **kw)
-    files = sorted(out.glob("*.safetensors"))
-    for f in files:
-        sd = load_file(str(f))
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fp8 = lambda key, t: t.ndim >= 2 and key.endswith("weight") and not any(s in key for s in FP8_SKIP)  # noqa: E731
+    for f in sorted(src.iterdir()):
+        if f.suffix != ".safetensors":
+            if f.is_file() and src != out:
+                shutil.copy2(f, out / f.name)
+            continue
         new = {}
-        for key, t in sd.items():
-            if t.ndim >= 2 and key.endswith("weight") and not any(s in key for s in FP8_SKIP):
-                if block is None:
-                    scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
-                    new[key] = (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-                    new[key + "_scale_inv"] = (1.0 / scale).reshape(())
-                else:
-                    new[key], new[key + "_scale_inv"] = fp8_block_quantize(t, block)
-            else:
+        for key, t in load_file(str(f)).items():
+            if not fp8(key, t):
                 new[key] = t
-        save_file(new, str(f), metadata={"format": "pt"})
+            elif block is None:
+                scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
+                new[key] = (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                new[key + "_scale_inv"] = (1.0 / scale).reshape(())
+            else:
+                new[key], new[key + "_scale_inv"] = fp8_block_quantize(t, block)
+        save_file(new, str(out / f.name), metadata={"format": "pt"})
+        del new
     idx = out / "model.safetensors.index.json"
     if idx.exists():
         index = json.loads(idx.read_text())

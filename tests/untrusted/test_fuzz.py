@@ -242,15 +242,20 @@ def test_fuzz_source_in_flight(source_ref, isolated, data):
     check(isolated, src, ref, mutation, data, quant="rtn-int4")
 
 
+def _reference(isolated, tmp_path_factory, src, quant=None):
+    """(a checkpoint, the logits file of its unmutated load in the isolated worker)."""
+    ref = tmp_path_factory.mktemp("ref") / "ref.pt"
+    r = isolated.load(src, quant=quant, save=ref)
+    assert r["outcome"] == "ok" and r["finite"], r
+    return src, ref
+
+
 @pytest.fixture(scope="module")
 def fp8_ref(isolated, tmp_path_factory):
     from moeq.tiny import make_fp8_checkpoint
 
     src = make_fp8_checkpoint("qwen3_moe", tmp_path_factory.mktemp("fp8src") / "c", block=(48, 80))
-    ref = tmp_path_factory.mktemp("fp8ref") / "ref.pt"
-    r = isolated.load(src, quant="q4_0", save=ref)
-    assert r["outcome"] == "ok" and r["finite"], r
-    return src, ref
+    return _reference(isolated, tmp_path_factory, src, "q4_0")
 
 
 @FUZZ
@@ -266,11 +271,7 @@ def test_fuzz_fp8_source(fp8_ref, isolated, data):
 def mxfp4_ref(isolated, tmp_path_factory):
     from moeq.tiny import make_mxfp4_checkpoint
 
-    src = make_mxfp4_checkpoint(tmp_path_factory.mktemp("mxsrc") / "c")
-    ref = tmp_path_factory.mktemp("mxref") / "ref.pt"
-    r = isolated.load(src, save=ref)
-    assert r["outcome"] == "ok" and r["finite"], r
-    return src, ref
+    return _reference(isolated, tmp_path_factory, make_mxfp4_checkpoint(tmp_path_factory.mktemp("mxsrc") / "c"))
 
 
 @FUZZ
