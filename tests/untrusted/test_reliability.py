@@ -289,3 +289,15 @@ def test_no_world_writable_files_in_the_real_cache():
     for p in (so, so.with_suffix(".sha256"), so.parent):
         if p.exists():
             assert not p.stat().st_mode & 0o022, p
+
+
+def test_export_judge_refuses_a_non_finite_consumer(tiny_ckpt, tmp_path, monkeypatch):
+    """A consumer whose logits come out NaN is refused even with --force (a NaN KL compares False against the bar)."""
+    from moeq.export import check as check_mod
+
+    monkeypatch.setattr(check_mod, "consumer_kl", lambda *a, **k: float("nan"))
+    m = moeq.load(tiny_ckpt("qwen3_moe"), "rtn-int4", progress=False)
+    for force in (False, True):
+        with pytest.raises(moeq.MoeqError, match="non-finite KL"):
+            export(m, tmp_path / f"ct{force}", format="compressed-tensors", force=force)
+        assert not (tmp_path / f"ct{force}").exists()

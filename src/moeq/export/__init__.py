@@ -13,6 +13,8 @@ line in :data:`EXPORTERS` and a test that loads the result with the engine's own
 """
 from __future__ import annotations
 
+import math
+
 import os
 from pathlib import Path
 
@@ -73,6 +75,9 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
 
 def _judge(model: nn.Module, written: Path, format: str, layout: str, source, max_kl: float, force: bool):
     kl = check_mod.consumer_kl(model, written, format, layout, check_mod.sample_ids(model, source))
+    if kl is not None and not math.isfinite(kl):  # a consumer computing NaN/Inf: never written, --force or not
+        raise MoeqError(f"the {format} export, loaded as its consumer loads it, gives a non-finite KL ({kl}) "
+                        "against moeq's model; refusing it")
     if kl is not None and kl > max_kl and not force:
         raise MoeqError(f"the {format} export, loaded as its consumer loads it, differs from moeq's model by mean KL "
                         f"{kl:.4g} nats (> {max_kl}); refusing it (--force writes it anyway)")
