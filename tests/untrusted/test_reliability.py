@@ -301,3 +301,26 @@ def test_export_judge_refuses_a_non_finite_consumer(tiny_ckpt, tmp_path, monkeyp
         with pytest.raises(moeq.MoeqError, match="non-finite KL"):
             export(m, tmp_path / f"ct{force}", format="compressed-tensors", force=force)
         assert not (tmp_path / f"ct{force}").exists()
+
+
+def test_ct_regex_targets_pick_their_group(tiny_ckpt, tmp_path):
+    """llm-compressor writes ``re:`` targets as regular expressions (compressed-tensors' ``re.match``), not globs:
+    the experts' group must be the one whose regex names them, not the ``Linear`` fallback."""
+    out = _ct_export(tiny_ckpt, tmp_path, "rtn-int4")
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    (name, group), = [(k, g) for k, g in qc["config_groups"].items()]
+    wrong = json.loads(json.dumps(group))
+    wrong["weights"]["group_size"] = 64  # a Linear fallback that does not fit the tensors
+    group["targets"] = [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$", r"re:.*self_attn\.[qkvo]_proj$"]
+    wrong["targets"] = ["Linear"]
+    qc["config_groups"] = {"group_1": wrong, name: group}
+    (out / "config.json").write_text(json.dumps(cfg))
+    m = moeq.load(out, progress=False)
+    ref = moeq.load(tiny_ckpt("qwen3_moe"), "rtn-int4", progress=False)
+    assert torch.equal(m.model.layers[0].mlp.experts.w13.qdata, ref.model.layers[0].mlp.experts.w13.qdata)
+    bad = json.loads(json.dumps(cfg))
+    bad["quantization_config"]["config_groups"][name]["targets"] = ["re:(unclosed"]
+    (out / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(moeq.MoeqError, match="not a regular expression"):
+        moeq.load(out, progress=False)

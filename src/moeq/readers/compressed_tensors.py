@@ -4,7 +4,7 @@ writes, and what llm-compressor produces for RTN-style int4/int8 weights) back i
 points packed along the output dim. Everything read is validated like any other packed weight."""
 from __future__ import annotations
 
-import fnmatch
+import re
 
 import torch
 
@@ -19,6 +19,15 @@ from moeq.readers.state import LoadState, compute_dtype
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
 
+def _re_match(pattern: str, name: str) -> bool:
+    """compressed-tensors' ``re:`` targets: ``re.match`` of the pattern against the module name (its own
+    ``match_name``), not a glob. A pattern that does not compile is the checkpoint's error."""
+    try:
+        return re.match(pattern, name) is not None
+    except re.error as e:
+        raise MoeqError(f"compressed-tensors target 're:{pattern}' is not a regular expression: {e}") from None
+
+
 def _weight_args(qc: dict, module: str) -> dict:
     """The ``weights`` settings of the config group that targets ``module`` (exact names first, then ``Linear``)."""
     groups = qc.get("config_groups")
@@ -29,7 +38,7 @@ def _weight_args(qc: dict, module: str) -> dict:
         targets = g.get("targets") if isinstance(g, dict) else None
         if not isinstance(targets, list) or not isinstance(g.get("weights"), dict):
             raise MoeqError(f"compressed-tensors config group {g!r} malformed"[:300])
-        if any(isinstance(t, str) and (t == module or (t.startswith("re:") and fnmatch.fnmatchcase(module, t[3:])))
+        if any(isinstance(t, str) and (t == module or (t.startswith("re:") and _re_match(t[3:], module)))
                for t in targets):
             return g["weights"]
         if "Linear" in targets:
