@@ -152,7 +152,9 @@ def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int
 
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fp8 = lambda key, t: t.ndim >= 2 and key.endswith("weight") and not any(s in key for s in FP8_SKIP)  # noqa: E731
+    def fp8(key: str, t: torch.Tensor) -> bool:  # linear weights, and transformers' fused expert stacks
+        return (t.ndim >= 2 and key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj"))
+                and not any(s in key for s in FP8_SKIP))
     for f in sorted(src.iterdir()):
         if f.suffix != ".safetensors":
             if f.is_file() and src != out:
@@ -174,7 +176,8 @@ def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int
     if idx.exists():
         index = json.loads(idx.read_text())
         for key, fname in list(index["weight_map"].items()):
-            if key.endswith("weight") and not any(s in key for s in FP8_SKIP):
+            if key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj")) and not any(
+                    s in key for s in FP8_SKIP):
                 index["weight_map"][key + "_scale_inv"] = fname
         idx.write_text(json.dumps(index, indent=1))
     cfg = json.loads((out / "config.json").read_text())

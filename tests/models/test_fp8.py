@@ -172,3 +172,20 @@ def test_inspect_names_the_source(fp8_ckpt, capsys):
     assert "dequantized" in src["without_method"] and "re-quantized" in src["with_method"]
     assert main(["inspect", str(fp8_ckpt("qwen3_moe"))]) == 0
     assert "source: fp8" in capsys.readouterr().out
+
+
+def test_fused_expert_stacks(tmp_path):
+    """transformers 5's own fused layout in FP8 (``experts.gate_up_proj`` + ``gate_up_proj_scale_inv`` [E, tiles,
+    tiles], the names its FP8 quantizer gives): each expert's slice dequantized with its own scale tiles."""
+    path = make_fp8_checkpoint("qwen3_moe", tmp_path / "f", block=(48, 80), fused_layout=True)
+    sd = load_file(str(path / "model.safetensors"))
+    m = moeq.load(path, progress=False)
+    for i in range(2):
+        for param in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{i}.mlp.experts.{param}"
+            q, s = sd[key], sd[key + "_scale_inv"]
+            assert s.shape[0] == q.shape[0] == 4
+            want = torch.stack([dequantize(q[e], s[e], (48, 80), torch.bfloat16) for e in range(4)])
+            assert torch.equal(getattr(m.model.layers[i].mlp.experts, param).data, want)
+    q4 = moeq.load(path, "q4_0", progress=False)
+    assert isinstance(q4.model.layers[0].mlp.experts, QuantExperts)
