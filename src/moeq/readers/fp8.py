@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from moeq import native
 from moeq.config import QuantConfig
 from moeq.errors import MoeqError
 from moeq.io.safetensors_io import Checkpoint, TensorInfo
@@ -57,9 +58,10 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[
     return (*shape[:-2], -(-n // block[0]), -(-k // block[1]))
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None,
-               dtype: torch.dtype) -> torch.Tensor:
-    """``[..., N, K]`` e4m3 codes times their block's scale, computed in fp32, then cast to ``dtype``."""
+def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``[..., N, K]`` e4m3 codes times their block's scale, computed in fp32, then cast to ``dtype`` (plain torch:
+    the ground truth of the native kernel)."""
     w = q.to(torch.float32)
     s = scale_inv.to(torch.float32)
     if block is None or s.numel() == 1:
@@ -67,6 +69,30 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] 
     n, k = w.shape[-2:]
     s = s.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
     return w.mul_(s).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype,
+               name: str = "an FP8 weight") -> torch.Tensor:
+    """:func:`dequantize_reference`'s values, natively where it applies (``moeq_fp8_dequant``: one pass, ~2x the
+    torch passes), refusing e4m3 NaN codes (0x7F/0xFF) by ``name``."""
+    L = native.lib()
+    if (L is not None and block is not None and q.device.type == "cpu" and q.dim() >= 2 and q.numel()
+            and scale_inv.dim() == q.dim()):
+        n, k = q.shape[-2:]
+        lead = q.numel() // (n * k)
+        tn, tk = -(-n // block[0]), -(-k // block[1])
+        qc, s = q.contiguous().view(torch.uint8), scale_inv.float().contiguous()
+        written = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        out = torch.empty(q.shape, dtype=written)
+        native.fits((qc, lead * n * k), (s, lead * tn * tk * 4))
+        native.fits_out(out, written, lead * n * k)
+        if L.moeq_fp8_dequant(native.ptr(qc), native.ptr(s), lead, n, k, block[0], block[1], native.ptr(out),
+                              int(written == torch.bfloat16)):
+            raise MoeqError(f"{name}: NaN codes in an FP8 weight")
+        return out if written == dtype else out.to(dtype)
+    if torch.isnan(q.float()).any():
+        raise MoeqError(f"{name}: NaN codes in an FP8 weight")
+    return dequantize_reference(q, scale_inv, block, dtype)
 
 
 @dataclasses.dataclass
@@ -139,11 +165,9 @@ class Fp8Source:
         if key not in self.fp8:
             return self.ckpt.read(key, index)
         q = self.ckpt.read(key, index)
-        if torch.isnan(q.float()).any():
-            raise MoeqError(f"{self.tensors[key].file}: {key}: NaN codes in an FP8 weight")
         s = self.ckpt.read(self.fp8[key], index if self.block is not None and len(self.tensors[key].shape) > 2
                            else None)
-        return dequantize(q, s, self.block, self.dtype)
+        return dequantize(q, s, self.block, self.dtype, f"{self.tensors[key].file}: {key}")
 
     def mmap(self, key: str) -> torch.Tensor:
         return self.read(key)

@@ -297,6 +297,41 @@ void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void*
     }
 }
 
+// FP8 e4m3fn block-scaled weights (DeepSeek's layout): w[i][j] = e4m3(q[i][j]) * s[i / bn][j / bk] in fp32, then
+// bf16 (round to nearest even) or fp32: the arithmetic of the torch reference (moeq.readers.fp8.dequantize).
+// q: lead x N x K codes, s: lead x ceil(N/bn) x ceil(K/bk) fp32. Returns 0, or -1 when a NaN code (0x7F/0xFF) is met
+// (the output is then incomplete and must not be used).
+int moeq_fp8_dequant(const uint8_t* q, const float* s, i64 lead, i64 N, i64 K, i64 bn, i64 bk, void* out,
+                     int out_bf16) {
+    float lut[256];
+    for (int c = 0; c < 256; c++) {  // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+        const int e = (c >> 3) & 15, m = c & 7;
+        const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        lut[c] = (c & 128) ? -v : v;
+    }
+    const i64 TN = (N + bn - 1) / bn, TK = (K + bk - 1) / bk;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (i64 r = 0; r < lead * N; r++) {
+        const i64 l = r / N, i = r % N;
+        const uint8_t* qq = q + r * K;
+        const float* ss = s + (l * TN + i / bn) * TK;
+        for (i64 k = 0; k < K; k++) bad |= (qq[k] & 127) == 127;
+        for (i64 t = 0; t < TK; t++) {  // one scale per column tile
+            const float sc = ss[t];
+            const i64 k0 = t * bk, k1 = k0 + bk < K ? k0 + bk : K;
+            if (out_bf16) {
+                uint16_t* o = (uint16_t*)out + r * K;
+                for (i64 k = k0; k < k1; k++) o[k] = f2bf_finite(lut[qq[k]] * sc);
+            } else {
+                float* o = (float*)out + r * K;
+                for (i64 k = k0; k < k1; k++) o[k] = lut[qq[k]] * sc;
+            }
+        }
+    }
+    return bad ? -1 : 0;
+}
+
 // Asymmetric RTN (min/max widened to include 0, integer zero point), exactly the torch reference's fp32 arithmetic:
 // scale = (hi - lo) / maxq rounded to the storage dtype; zero = clamp(round(-lo / s)); q = clamp(round(x / s) + zero).
 // A group holding NaN/Inf gets a NaN scale.
