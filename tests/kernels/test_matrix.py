@@ -19,6 +19,7 @@ from moeq import native
 from moeq.config import METHODS
 from moeq.nn import QuantExperts, QuantLinear
 from moeq.nn.experts import Activation
+from tests.kernels.reference import reference_moe
 
 E, H, I, A = 4, 128, 64, 2  # w13 [4, 128, 128], w2 [4, 128, 64]: inside every native kernel's domain (N % 16, K % 64)
 ROWS = (1, 4, 17)
@@ -45,15 +46,8 @@ def _build(method: str, wdtype: torch.dtype):
 
 
 def _ref_experts(m: QuantExperts, x, idx, wts) -> torch.Tensor:
-    d13, d2 = m.w13.dequantize(torch.float64), m.w2.dequantize(torch.float64)
-    x = x.double()
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(idx.shape[1]):
-            e = int(idx[t, j])
-            h = d13[e] @ x[t]
-            out[t] += float(wts[t, j]) * (d2[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
-    return out
+    glu = lambda g, u: torch.nn.functional.silu(g) * u  # noqa: E731
+    return reference_moe(m.w13.dequantize(torch.float64), m.w2.dequantize(torch.float64), x, idx, wts, glu)
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:

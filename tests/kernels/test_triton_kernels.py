@@ -6,6 +6,7 @@ import torch
 
 import moeq
 from moeq.formats import bnb4, int8, rtn
+from tests.kernels.reference import reference_moe
 
 triton = pytest.importorskip("triton")
 from moeq.kernels import gpu  # noqa: E402
@@ -23,18 +24,6 @@ FORMATS = {
     "fp4-b32": lambda w: bnb4.quantize(w, "fp4", 32, False),
     "llm-int8": lambda w: int8.quantize(w),
 }
-
-
-def reference_moe(d13, d2, x, idx, wts, act):
-    """Token by token, expert by expert, from dequantized fp32 weights."""
-    i = d13.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for j in range(idx.shape[1]):
-            e = idx[t, j]
-            h = d13[e] @ x[t].float()
-            out[t] += wts[t, j].float() * (d2[e] @ act(h[:i], h[i:]))
-    return out
 
 
 def problem(seed=0, e=6, h=128, i=128, t=7, a=2):

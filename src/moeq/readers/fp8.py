@@ -10,7 +10,8 @@ gives (tested). The one streaming loop (:class:`~moeq.readers.state.LoadState`) 
 places or quantizes it like a bf16 source tensor, so an FP8 checkpoint loads as bf16 (no method) or quantized in
 flight to any moeq method, and ``moeq export FP8-DIR model.gguf --format gguf --method q4_0`` never holds more than
 one dequantized tensor besides the quantized model. Scales are validated before use: shape, finite, positive, and
-small enough that no dequantized weight can overflow the compute dtype; e4m3 NaN codes are refused.
+small enough that no dequantized weight can overflow the compute dtype (shapes and dtypes from the headers before
+anything is read, values as each scale is read); e4m3 NaN codes are refused.
 """
 from __future__ import annotations
 
@@ -140,7 +141,10 @@ class Fp8Source:
                             f"{list(info.shape)} weight {key} at block {self.block}")
         if sinfo.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise MoeqError(f"{sinfo.file}: {sinfo.name}: scales stored as {sinfo.dtype}; expected F32/BF16/F16")
-        s = self.ckpt.read(sinfo.name).float()
+
+    def _check_values(self, sinfo: TensorInfo, s: torch.Tensor) -> None:
+        """A scale tensor's values, checked when it is read (before its weight is dequantized)."""
+        s = s.float()
         limit = torch.finfo(self.dtype).max / E4M3_MAX
         if not torch.isfinite(s).all() or (s <= 0).any() or (s > limit).any():
             raise MoeqError(f"{sinfo.file}: {sinfo.name}: scales must be finite, positive and at most {limit:.3g} "
@@ -167,6 +171,7 @@ class Fp8Source:
         q = self.ckpt.read(key, index)
         s = self.ckpt.read(self.fp8[key], index if self.block is not None and len(self.tensors[key].shape) > 2
                            else None)
+        self._check_values(self.ckpt.tensors[self.fp8[key]], s)
         return dequantize(q, s, self.block, self.dtype, f"{self.tensors[key].file}: {key}")
 
     def mmap(self, key: str) -> torch.Tensor:
