@@ -1,9 +1,10 @@
 """GPU check of moeq's Triton path, for a machine with one GPU, in well under 8 minutes:
 
 1. the kernel tests (tests/kernels/test_triton_kernels.py) on the device;
-2. device memory bandwidth (a large device-to-device copy);
+2. device memory bandwidth (a large device-to-device copy); with ``--tune``, a small grid of block sizes per
+   kernel (:func:`tune`), whose best configs the microbenchmarks then use (copy them into ``CONFIGS``);
 3. kernel microbenchmark on Qwen3-30B-A3B's expert shapes (128 experts, top-8, hidden 2048, moe_intermediate 768)
-   for 1, 8, 64 and 512 tokens, per format (rtn-int4 g128, nf4 b64 double quant, rtn-int8 g128): fused kernel time,
+   for 1, 8, 64 and 512 tokens, per format (every format the Triton layout takes, :func:`formats`):
    weight bytes it reads (the routed experts only) per second vs the device bandwidth, and time vs
    dequantize-all-experts + bf16 grouped matmul (vLLM's bitsandbytes MoE approach) and vs bf16 experts; plus
    on-device quantization GB/s (in-flight quantization on the GPU);
@@ -14,7 +15,7 @@
 Writes JSON (default ``benchmarks/results/gpu.json``). ``--smoke`` runs tiny shapes on whatever is there (on CPU
 through Triton's interpreter) to check the script itself.
 
-    python benchmarks/gpu_check.py [--out FILE] [--layers 4] [--smoke] [--skip-tests] [--skip-e2e]
+    python benchmarks/gpu_check.py [--out FILE] [--layers 4] [--smoke] [--tune] [--skip-tests] [--skip-e2e]
 """
 from __future__ import annotations
 
@@ -55,6 +56,34 @@ def bandwidth(device) -> float:
     return 2 * n / t  # read + write
 
 
+def graph_time(fns, device, reps: int = 10) -> float:
+    """Seconds per call of the GPU work alone: ``fns`` (one call each, distinct routings so the weights they read
+    are not all in L2) captured in one CUDA graph and replayed; launch overhead excluded. Eager on CPU."""
+    if device.type != "cuda":
+        return timed(lambda: [f() for f in fns], device, 1) / len(fns)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:  # warm-up: compile, allocate
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(stop) / 1e3 / len(fns))
+    return best
+
+
 def grouped_bf16(w13, w2, x, idx, wts):
     """bf16 experts: pairs grouped by expert, one grouped GEMM per projection (torch._grouped_mm where present)."""
     t, a = idx.shape
@@ -84,22 +113,115 @@ def grouped_bf16(w13, w2, x, idx, wts):
     return out.to(x.dtype)
 
 
-def micro(device, smoke: bool) -> dict:
-    from moeq.formats import bnb4, rtn
+def formats(smoke: bool) -> dict:
+    """Every format the Triton layout takes: the 4-bit RTN grids (vLLM's, llama.cpp's Q4_0, the IQ4_NL and MXFP4
+    codebooks — MXFP4 is also what gpt-oss checkpoints load into), bitsandbytes NF4, and the 8-bit ones."""
+    from moeq.formats import bnb4, int8, rtn
+
+    g = 32 if smoke else 128
+    return {"rtn-int4 g128": lambda w: rtn.quantize(w, 4, g),
+            "q4_0 (signed g32)": lambda w: rtn.quantize(w, 4, 32, grid="signed"),
+            "iq4nl g32": lambda w: rtn.quantize(w, 4, 32, grid="iq4nl"),
+            "mxfp4": lambda w: rtn.quantize(w, 4, 32, grid="mxfp4"),
+            "nf4 b64 dq": lambda w: bnb4.quantize(w, "nf4", 64, True),
+            "rtn-int8 g128": lambda w: rtn.quantize(w, 8, g),
+            "llm.int8": lambda w: int8.quantize(w)}
+
+
+def routings(tokens: int, e: int, k: int, device, count: int, dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for _ in range(count):
+        logits = torch.randn(tokens, e, generator=g).to(device)
+        wts, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+        out.append((idx, (wts / wts.sum(-1, keepdim=True)).to(dtype)))
+    return out
+
+
+def shapes(smoke: bool):
+    return (8, 128, 64, 2) if smoke else (128, 2048, 768, 8)
+
+
+def tune(device, smoke: bool) -> dict:
+    """A small grid of block sizes per kernel on rtn-int4 g128 at Qwen3-30B-A3B's expert shapes: the GEMV at 1 token
+    (decode), the grouped GEMM at 512 (prefill); then the batch size where the GEMM overtakes the GEMV."""
+    import itertools
+
+    from moeq.formats import rtn
     from moeq.kernels import triton_moe as tm
 
-    e, h, i, k = (8, 128, 64, 2) if smoke else (128, 2048, 768, 8)
+    e, h, i, k = shapes(smoke)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(1)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    q13, q2 = rtn.quantize(w13, 4, 32 if smoke else 128), rtn.quantize(w2, 4, 32 if smoke else 128)
+    l13, l2 = tm.kernel_layout(q13), tm.kernel_layout(q2)
+    if smoke:
+        grids = {"gemv": [dict(block_n=n, block_k=kk, num_warps=4, num_stages=2) for n in (16, 32) for kk in (64,)],
+                 "gemm": [dict(block_n=n, block_k=64, num_warps=4, num_stages=2) for n in (32, 64)]}
+    else:
+        grids = {"gemv": [dict(block_n=n, block_k=kk, num_warps=w, num_stages=st) for n, kk, w, st in
+                          itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 3))],
+                 "gemm": [dict(block_n=n, block_k=kk, num_warps=w, num_stages=st) for n, kk, w, st in
+                          itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]}
+    result = {}
+    for kernel, tokens in (("gemv", 1), ("gemm", 8 if smoke else 512)):
+        x = torch.randn(tokens, h, generator=g).to(dtype).to(device)
+        routes = routings(tokens, e, k, device, 8, dtype, seed=tokens)
+        rows = []
+        for cfg in grids[kernel]:
+            configs = {**tm.CONFIGS, kernel: cfg}
+            try:
+                t = graph_time([lambda r=r: tm.fused_moe(x, l13, l2, r[0], r[1], kernel=kernel, configs=configs)
+                                for r in routes], device, 5)
+            except Exception as exc:  # a config the compiler rejects (shared memory): skip it, say why
+                rows.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                continue
+            rows.append({**cfg, "s": t})
+        ok = [r for r in rows if "s" in r]
+        best = min(ok, key=lambda r: r["s"])
+        result[kernel] = {"tokens": tokens, "best": {kk: best[kk] for kk in grids[kernel][0]}, "best_s": best["s"],
+                          "default_s": next((r["s"] for r in ok if all(r[kk] == v for kk, v in
+                                                                        tm.CONFIGS[kernel].items())), None),
+                          "grid": rows}
+        print(f"tune {kernel} T={tokens}: best {result[kernel]['best']} {best['s'] * 1e6:.1f} us "
+              f"(default {result[kernel]['default_s']})", flush=True)
+    best_cfgs = {kk: v["best"] for kk, v in result.items()}
+    cross = []
+    for tokens in ((1, 2, 4) if smoke else (1, 2, 4, 8, 16)):
+        x = torch.randn(tokens, h, generator=g).to(dtype).to(device)
+        routes = routings(tokens, e, k, device, 8, dtype, seed=100 + tokens)
+        row = {"tokens": tokens, "pairs": tokens * k}
+        for kernel in ("gemv", "gemm"):
+            row[kernel + "_s"] = graph_time([lambda r=r, kn=kernel: tm.fused_moe(x, l13, l2, r[0], r[1], kernel=kn,
+                                                                                 configs=best_cfgs)
+                                             for r in routes], device, 5)
+        cross.append(row)
+        print(f"crossover T={tokens}: gemv {row['gemv_s'] * 1e6:.1f} us, gemm {row['gemm_s'] * 1e6:.1f} us", flush=True)
+    gemv_wins = [r["pairs"] for r in cross if r["gemv_s"] <= r["gemm_s"]]
+    result["crossover"] = cross
+    result["gemv_max_pairs"] = max(gemv_wins) if gemv_wins else 0
+    return result
+
+
+def micro(device, smoke: bool, configs: dict | None = None, gemv_max_pairs: int | None = None) -> dict:
+    from moeq.kernels import triton_moe as tm
+
+    if configs:
+        tm.CONFIGS.update(configs)
+    if gemv_max_pairs is not None:
+        tm.GEMV_MAX_PAIRS = gemv_max_pairs
+    e, h, i, k = shapes(smoke)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # interpreter: no bf16 tl.dot
     g = torch.Generator(device="cpu").manual_seed(0)
     w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.02).to(torch.bfloat16).to(device)
     w2 = (torch.randn(e, h, i, generator=g) * 0.02).to(torch.bfloat16).to(device)
-    fmts = {"rtn-int4 g128": lambda w: rtn.quantize(w, 4, 128 if not smoke else 32),
-            "nf4 b64 dq": lambda w: bnb4.quantize(w, "nf4", 64, True),
-            "rtn-int8 g128": lambda w: rtn.quantize(w, 8, 128 if not smoke else 32)}
-    reps = 3 if smoke else 20
-    out = {"shape": {"experts": e, "hidden": h, "moe_inter": i, "top_k": k}, "formats": {}}
+    reps = 3 if smoke else 10
+    out = {"shape": {"experts": e, "hidden": h, "moe_inter": i, "top_k": k}, "configs": dict(tm.CONFIGS),
+           "gemv_max_pairs": tm.GEMV_MAX_PAIRS, "formats": {}}
     w13c, w2c = w13.to(dtype), w2.to(dtype)
-    for name, quant in fmts.items():
+    for name, quant in formats(smoke).items():
         tq = timed(lambda: (quant(w13), quant(w2)), device, 1 if smoke else 3)
         q13, q2 = quant(w13), quant(w2)
         l13, l2 = tm.kernel_layout(q13), tm.kernel_layout(q2)
@@ -107,24 +229,27 @@ def micro(device, smoke: bool) -> dict:
         rows = []
         for tokens in ((1, 8) if smoke else (1, 8, 64, 512)):
             x = torch.randn(tokens, h, generator=g).to(dtype).to(device)
-            logits = torch.randn(tokens, e, generator=g).to(device)
-            wts, idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
-            wts = (wts / wts.sum(-1, keepdim=True)).to(dtype)
-            active = int(torch.unique(idx).numel())
+            routes = routings(tokens, e, k, device, 8, dtype, seed=tokens)
+            idx, wts = routes[0]
+            active = sum(int(torch.unique(r[0]).numel()) for r in routes) / len(routes)
+            t_graph = graph_time([lambda r=r: tm.fused_moe(x, l13, l2, r[0], r[1]) for r in routes], device, reps)
             t_fused = timed(lambda: tm.fused_moe(x, l13, l2, idx, wts), device, reps)
             t_deq = timed(lambda: grouped_bf16(q13.dequantize(dtype), q2.dequantize(dtype), x, idx, wts), device,
                           reps)
             t_bf16 = timed(lambda: grouped_bf16(w13c, w2c, x, idx, wts), device, reps)
+            t_bf16_graph = graph_time([lambda r=r: grouped_bf16(w13c, w2c, x, r[0], r[1]) for r in routes], device,
+                                      reps) if tokens > 1 or smoke else None
             ref = grouped_bf16(q13.dequantize(dtype), q2.dequantize(dtype), x, idx, wts).float()
             got = tm.fused_moe(x, l13, l2, idx, wts).float()
-            rows.append({"tokens": tokens, "active_experts": active, "fused_s": t_fused,
-                         "dequant_all_bf16_s": t_deq, "bf16_experts_s": t_bf16,
-                         "weight_bytes": active * per_expert, "weight_bytes_per_s": active * per_expert / t_fused,
+            rows.append({"tokens": tokens, "active_experts": active, "kernel_s": t_graph, "fused_eager_s": t_fused,
+                         "dequant_all_bf16_s": t_deq, "bf16_experts_s": t_bf16, "bf16_experts_graph_s": t_bf16_graph,
+                         "weight_bytes": active * per_expert, "weight_bytes_per_s": active * per_expert / t_graph,
                          "speedup_vs_dequant_all": t_deq / t_fused, "speedup_vs_bf16": t_bf16 / t_fused,
                          "max_rel_err_vs_dequant_ref": ((got - ref).abs().max() / ref.abs().max()).item()})
         out["formats"][name] = {"quantize_gb_per_s": (w13.numel() + w2.numel()) * 2 / tq / 1e9,
                                 "bits_per_weight": 8 * (q13.nbytes + q2.nbytes) / (w13.numel() + w2.numel()),
                                 "rows": rows}
+        del q13, q2, l13, l2
     return out
 
 
@@ -178,11 +303,27 @@ def e2e(device, layers: int, smoke: bool) -> dict:
     return results
 
 
+def summary(report: dict) -> dict:
+    """The issue's bars, read off the rows: decode-sized (1-8 tokens) 4-bit kernels' fraction of the bandwidth and
+    speedup vs dequantize-all, and 512-token time vs bf16 experts."""
+    out = {}
+    for fmt, v in report["micro"]["formats"].items():
+        rows = {r["tokens"]: r for r in v["rows"]}
+        dec = [rows[t] for t in (1, 8) if t in rows]
+        big = rows.get(512)
+        out[fmt] = {"bits_per_weight": v["bits_per_weight"],
+                    "decode_min_fraction_of_bandwidth": min(r["fraction_of_bandwidth"] for r in dec),
+                    "decode_min_speedup_vs_dequant_all": min(r["speedup_vs_dequant_all"] for r in dec),
+                    "prefill512_speedup_vs_bf16": big["speedup_vs_bf16"] if big else None}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU via Triton's interpreter")
+    ap.add_argument("--tune", action="store_true", help="search block sizes first and use the best")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
     args = ap.parse_args(argv)
@@ -195,31 +336,52 @@ def main(argv=None) -> int:
     else:
         print("gpu_check: no GPU here (use --smoke to check the script on CPU)", file=sys.stderr)
         return 2
-    report = {"device": name, "torch": torch.__version__, "smoke": args.smoke, "started": time.time()}
+    import triton
+
+    report = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
+              "started": time.time()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every stage: a run cut short keeps what it measured
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, out)
+
     if not args.skip_tests:
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests/kernels/test_triton_kernels.py")],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            str(ROOT / "tests/kernels/test_triton_kernels.py")],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+        lines = r.stdout.strip().splitlines()
         report["kernel_tests"] = {"ok": r.returncode == 0, "seconds": time.perf_counter() - t0,
-                                  "tail": r.stdout.strip().splitlines()[-1:] + r.stderr.strip().splitlines()[-3:]}
+                                  "tail": lines[-1:] if r.returncode == 0 else lines[-40:] + r.stderr.splitlines()[-5:]}
         print("kernel tests:", report["kernel_tests"], flush=True)
+        save()
     report["bandwidth_bytes_per_s"] = bw = bandwidth(device)
     print(f"device bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    report["micro"] = micro(device, args.smoke)
+    configs = gemv_max = None
+    if args.tune:
+        report["tune"] = tuned = tune(device, args.smoke)
+        configs = {kk: tuned[kk]["best"] for kk in ("gemv", "gemm")}
+        gemv_max = tuned["gemv_max_pairs"]
+        save()
+    report["micro"] = micro(device, args.smoke, configs, gemv_max)
     for fmt, v in report["micro"]["formats"].items():
         for r in v["rows"]:
             r["fraction_of_bandwidth"] = r["weight_bytes_per_s"] / bw
-            print(f"{fmt:14s} T={r['tokens']:4d} fused {r['fused_s'] * 1e6:8.1f} us  "
+            print(f"{fmt:18s} T={r['tokens']:4d} kernels {r['kernel_s'] * 1e6:8.1f} us "
                   f"{r['weight_bytes_per_s'] / 1e9:7.1f} GB/s ({100 * r['fraction_of_bandwidth']:.0f}% of bw)  "
-                  f"x{r['speedup_vs_dequant_all']:.1f} vs dequant-all  x{r['speedup_vs_bf16']:.2f} vs bf16  "
-                  f"err {r['max_rel_err_vs_dequant_ref']:.1e}", flush=True)
+                  f"eager {r['fused_eager_s'] * 1e6:8.1f} us  x{r['speedup_vs_dequant_all']:.1f} vs dequant-all  "
+                  f"x{r['speedup_vs_bf16']:.2f} vs bf16  err {r['max_rel_err_vs_dequant_ref']:.1e}", flush=True)
+    report["summary"] = summary(report)
+    save()
     if not args.skip_e2e:
         report["e2e"] = e2e(device, args.layers, args.smoke)
         for name, row in report["e2e"].items():
             print(name, {k: round(v, 2) for k, v in row.items()}, flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    report["seconds"] = time.time() - report["started"]
+    save()
     print("wrote", out)
     return 0 if report.get("kernel_tests", {}).get("ok", True) else 1
 

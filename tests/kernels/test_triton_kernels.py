@@ -23,6 +23,10 @@ FORMATS = {
     "nf4-b64-dq": lambda w: bnb4.quantize(w, "nf4", 64, True),
     "fp4-b32": lambda w: bnb4.quantize(w, "fp4", 32, False),
     "llm-int8": lambda w: int8.quantize(w),
+    "q4_0": lambda w: rtn.quantize(w, 4, 32, grid="signed"),
+    "iq4nl-g32": lambda w: rtn.quantize(w, 4, 32, grid="iq4nl"),
+    "iq4nl-dq-g32": lambda w: rtn.quantize(w, 4, 32, grid="iq4nl", double_quant=True),
+    "mxfp4": lambda w: rtn.quantize(w, 4, 32, grid="mxfp4"),
 }
 
 
@@ -36,19 +40,22 @@ def problem(seed=0, e=6, h=128, i=128, t=7, a=2):
     return w13, w2, x, idx, wts
 
 
+@pytest.mark.parametrize("kernel", ["gemm", "gemv"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_fused_moe_matches_reference(fmt):
+def test_fused_moe_matches_reference(fmt, kernel):
+    """Both kernels (the grouped GEMM for prompts, the per-pair GEMV for decode) on every format the layout takes."""
     w13, w2, x, idx, wts = problem()
     q13, q2 = FORMATS[fmt](w13), FORMATS[fmt](w2)
     l13, l2 = (tm.kernel_layout(q.to(DEV)) for q in (q13, q2))
-    y = tm.fused_moe(x.to(DEV), l13, l2, idx.to(DEV), wts.to(DEV)).cpu()
+    assert l13 is not None and l2 is not None, fmt
+    y = tm.fused_moe(x.to(DEV), l13, l2, idx.to(DEV), wts.to(DEV), kernel=kernel).cpu()
     silu_glu = lambda g, u: torch.nn.functional.silu(g) * u  # noqa: E731
     ref = reference_moe(q13.dequantize(torch.float32), q2.dequantize(torch.float32), x, idx, wts, silu_glu)
     assert (y - ref).abs().max() < TOL * max(1.0, ref.abs().max().item())
     assert y.abs().max() > 0.05  # not trivially zero
 
 
-@pytest.mark.parametrize("tokens,top_k", [(1, 1), (3, 4), (40, 2)])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (3, 4), (40, 2), (9, 4)])
 def test_fused_moe_routing_shapes_and_empty_experts(tokens, top_k):
     """Decode- and prefill-sized batches; experts without tokens get no blocks; several BLOCK_M choices."""
     w13, w2, x, idx, wts = problem(seed=tokens, e=8, t=tokens, a=top_k)
@@ -78,13 +85,14 @@ def test_align_pairs_sorts_and_pads_by_expert():
     assert set(expert_ids.tolist()) - {-1} == {0, 1, 3}  # no block for experts 2 and 4
 
 
-@pytest.mark.parametrize("fmt", ["rtn4-g32", "rtn4-asym-g64", "nf4-b64-dq", "llm-int8", "rtn8-g128"])
+@pytest.mark.parametrize("rows", [(3, 5), (2,)])  # 15 rows: grouped GEMM; 2: the decode GEMV
+@pytest.mark.parametrize("fmt", ["rtn4-g32", "rtn4-asym-g64", "nf4-b64-dq", "llm-int8", "rtn8-g128", "iq4nl-g32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_linear_matches_reference(fmt, dtype):
+def test_linear_matches_reference(fmt, dtype, rows):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(80, 256, generator=g) * 0.05).bfloat16()
     q = FORMATS[fmt](w)
-    x = torch.randn(3, 5, 256, generator=g).to(dtype)
+    x = torch.randn(*rows, 256, generator=g).to(dtype)
     bias = torch.randn(80, generator=g).to(dtype)
     y = tm.linear(x.to(DEV), tm.kernel_layout(q.to(DEV)), bias.to(DEV)).cpu()
     ref = x.float() @ q.dequantize(torch.float32).T + bias.float()
@@ -122,6 +130,7 @@ def test_unsupported_layout_falls_back():
     w = (torch.randn(64, 128) * 0.05).bfloat16()
     assert tm.kernel_layout(rtn.quantize(w, 3, 64, symmetric=False)) is None  # 3-bit: dequantize path instead
     assert tm.kernel_layout(rtn.quantize(w, 2, 32, symmetric=False)) is None
+    assert tm.kernel_layout(rtn.quantize(w, 3, 32, grid="nl3")) is None  # 3-bit codebook
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on machines without a GPU")

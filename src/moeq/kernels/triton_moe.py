@@ -3,10 +3,16 @@ the fused MoE forward (tokens sorted by expert once per layer, only experts with
 "expert", for quantized linears.
 
 Formats (``KernelWeight.qkind``): RTN 4-bit (low nibble first) and 8-bit codes, symmetric (implicit zero point
-``2**(bits-1)``) or asymmetric (uint8 zero points), any group size; NF4/FP4 (high nibble first, 16-entry code table,
+``2**(bits-1)``) or asymmetric (uint8 zero points), any group size; the 4-bit codebook grids (``iq4nl``, ``mxfp4``:
+RTN packing, a 16-entry table, double-quantized scales resolved once at layout time); NF4/FP4 (high nibble first, 16-entry code table,
 fp32 absmax per block, double quantization resolved once at layout time); LLM.int8 (int8 codes, per-row
 ``SCB/127``). The layout (:func:`kernel_layout`) is views of moeq's stored tensors (only double-quant absmax is
 materialized), built once per module and device and cached on the module.
+
+Two kernels share the in-register dequantization: a grouped GEMM over pairs sorted by expert (``tl.dot`` tiles;
+prompts), and a per-pair GEMV for decode-sized batches (no sorting, no padding: each program reads one routed
+expert's rows once, so a decode step is two launches). :data:`CONFIGS` holds the block sizes per kernel, decided
+once (tuned on an H200 by ``benchmarks/gpu_check.py``).
 
 Everything runs on CPU tensors under ``TRITON_INTERPRET=1`` (the test suite does that); note that the interpreter's
 bf16 ``tl.dot`` is wrong, so tests use fp32/fp16 activations there.
@@ -24,7 +30,7 @@ from moeq.formats.int8 import INV127
 from moeq.formats.rtn import CODEBOOKS
 from moeq.kernels.registry import by_format
 
-Q_RTN4, Q_RTN8, Q_BNB4, Q_INT8 = 0, 1, 2, 3
+Q_RTN4, Q_RTN8, Q_BNB4, Q_INT8, Q_LUT4 = 0, 1, 2, 3, 4  # Q_LUT4: RTN packing, table values
 ACT_NONE, ACT_SILU_GLU, ACT_GPTOSS = 0, 1, 2
 
 
@@ -34,7 +40,7 @@ class KernelWeight:
     q: torch.Tensor  # uint8 [E, N, K/2] (4-bit) or [E, N, K] (8-bit)
     scale: torch.Tensor  # [E, N, G] (float)
     zero: torch.Tensor | None  # uint8 [E, N, G] (asymmetric RTN)
-    lut: torch.Tensor | None  # fp32 [16] (NF4/FP4)
+    lut: torch.Tensor | None  # fp32 [16] (NF4/FP4, codebook grids)
     qkind: int
     group: int
     n: int
@@ -62,11 +68,17 @@ def kernel_layout(w: PackedWeight) -> KernelWeight | None:
 
 @layout("rtn")
 def _layout_rtn(w: RTNWeight, e: int, n: int, k: int) -> KernelWeight | None:
-    if w.bits not in (4, 8) or k % 2 or w.grid in CODEBOOKS:  # codebook grids: dequantize + matmul on GPU
+    if w.bits not in (4, 8) or k % 2:  # 2/3/5-bit: dequantize + matmul on GPU
         return None
     gs = k if w.group_size == -1 else w.group_size
     q = w.qdata.reshape(e, n, -1)
     zero = None if w.zero is None else w.zero.reshape(e, n, -1)
+    if w.grid in CODEBOOKS:
+        if w.bits != 4:
+            return None
+        lut = torch.tensor(CODEBOOKS[w.grid], dtype=torch.float32, device=q.device)
+        scale = w.scale if w.scale_super is None else w.group_scales()  # double quant resolved once
+        return KernelWeight(q, scale.reshape(e, n, -1), None, lut, Q_LUT4, gs, n, k)
     return KernelWeight(q, w.scale.reshape(e, n, -1), zero, None, Q_RTN4 if w.bits == 4 else Q_RTN8, gs, n, k)
 
 
@@ -93,10 +105,10 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
     """fp32 ``[BLOCK_K, BLOCK_N]`` tile of ``W[e, offs_n, k0:k0+BLOCK_K]`` transposed."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    if QKIND == 0 or QKIND == 2:
+    if QKIND == 0 or QKIND == 2 or QKIND == 4:
         half = K // 2
         byte = tl.load(q_ptr + e * N * half + offs_n[None, :] * half + offs_k[:, None] // 2, mask=mask, other=0)
-        if QKIND == 0:
+        if QKIND != 2:
             shift = (offs_k[:, None] % 2) * 4  # RTN: element 2j in the low nibble
         else:
             shift = (1 - offs_k[:, None] % 2) * 4  # bitsandbytes: element 2j in the high nibble
@@ -105,7 +117,7 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
         c = tl.load(q_ptr + e * N * K + offs_n[None, :] * K + offs_k[:, None], mask=mask, other=0)
     g = offs_k[:, None] // GROUP
     s = tl.load(s_ptr + e * N * G + offs_n[None, :] * G + g, mask=mask, other=0.0).to(tl.float32)
-    if QKIND == 2:
+    if QKIND == 2 or QKIND == 4:
         v = tl.load(lut_ptr + c.to(tl.int32)) * s
     elif QKIND == 3:
         v = c.to(tl.int8, bitcast=True).to(tl.float32) * s
@@ -118,6 +130,58 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
             z = 128.0
         v = (c.to(tl.float32) - z) * s
     return v
+
+
+@triton.jit
+def _activate(acc, acc_up, ACT: tl.constexpr):
+    if ACT == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif ACT == 2:  # gpt-oss: clamped swiglu, (up + 1) * gate * sigmoid(1.702 * gate)
+        gate = tl.minimum(acc, 7.0)
+        up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
+        acc = (up + 1.0) * (gate / (1.0 + tl.exp(-1.702 * gate)))
+    return acc
+
+
+@triton.jit
+def _pair_gemv(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, expert_ptr, weight_ptr,
+               N, K, G, stride_am, stride_om,
+               TOP_K: tl.constexpr, A_BY_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, ACT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode: ``out[pair, n] = act(A[row(pair)] @ W[expert(pair)]ᵀ + b) * w(pair)``, one pair per program row —
+    no sorting or padding; a product-and-sum per tile instead of ``tl.dot`` (a single row would waste 15/16 of
+    an MMA tile)."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(expert_ptr + p).to(tl.int64)
+    if A_BY_PAIR:
+        row = p.to(tl.int64)
+    else:
+        row = (p // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    N_W = N * 2 if ACT != 0 else N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + row * stride_am + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        b = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
+                          BLOCK_N, BLOCK_K)
+        acc += tl.sum(a[:, None] * b, axis=0)
+        if ACT != 0:
+            b_up = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
+                                 HAS_ZERO, BLOCK_N, BLOCK_K)
+            acc_up += tl.sum(a[:, None] * b_up, axis=0)
+    nmask = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * N_W + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        if ACT != 0:
+            acc_up += tl.load(bias_ptr + e * N_W + N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    acc = _activate(acc, acc_up, ACT)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -161,16 +225,21 @@ def _grouped_gemm(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, sorted
         acc += tl.load(bias_ptr + e * N_W + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
             acc_up += tl.load(bias_ptr + e * N_W + N + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if ACT == 1:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    elif ACT == 2:  # gpt-oss: clamped swiglu, (up + 1) * gate * sigmoid(1.702 * gate)
-        gate = tl.minimum(acc, 7.0)
-        up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
-        acc = (up + 1.0) * (gate / (1.0 + tl.exp(-1.702 * gate)))
+    acc = _activate(acc, acc_up, ACT)
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & nmask[None, :])
+
+
+# Block sizes per kernel, decided once (``benchmarks/gpu_check.py --tune`` on an H200; the interpreter ignores the
+# launch options). "gemv" serves batches up to GEMV_MAX_PAIRS (token, expert) pairs, "gemm" the rest.
+CONFIGS = {
+    "gemv": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    "gemm": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
+}
+GEMV_MAX_PAIRS = 32
+LINEAR_GEMV_MAX_ROWS = 4  # a dense linear's rows all read the same weight: few rows only
 
 
 def block_m_for(pairs: int, experts: int) -> int:
@@ -201,51 +270,88 @@ def align_pairs(expert_of_pair: torch.Tensor, experts: int, block_m: int) -> tup
     return sorted_ids, expert_ids
 
 
+def _launch(a: torch.Tensor, cfg: dict) -> dict:
+    return {} if a.device.type == "cpu" else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _block_k(w: KernelWeight, cfg: dict) -> int:
+    return min(cfg["block_k"], max(16, triton.next_power_of_2(w.k)))
+
+
 def grouped_gemm(a: torch.Tensor, w: KernelWeight, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, n_pairs: int,
                  block_m: int, top_k: int = 1, a_by_pair: bool = False, weights: torch.Tensor | None = None,
                  act: int = ACT_NONE, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
+                 config: dict | None = None) -> torch.Tensor:
     """``[n_pairs, N']`` where ``N' = I`` with a fused activation (``w`` then holds gate and up rows), else ``N``."""
+    cfg = config or CONFIGS["gemm"]
     a = a.contiguous()
     n = w.n // 2 if act != ACT_NONE else w.n
     out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
     if n_pairs == 0:
         return out
     dummy = w.scale
-    block_k = block_k or (128 if w.k >= 1024 else 64)
-    grid = (expert_ids.numel(), triton.cdiv(n, block_n))
-    launch = {} if a.device.type == "cpu" else {"num_warps": 4, "num_stages": 3}
+    grid = (expert_ids.numel(), triton.cdiv(n, cfg["block_n"]))
     _grouped_gemm[grid](
         a, out, w.q, w.scale, w.zero if w.zero is not None else dummy, w.lut if w.lut is not None else dummy,
         bias if bias is not None else dummy, sorted_ids, expert_ids, weights if weights is not None else dummy,
         n_pairs, n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
         TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
         QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(w, cfg), **_launch(a, cfg))
+    return out
+
+
+def pair_gemv(a: torch.Tensor, w: KernelWeight, expert_of_pair: torch.Tensor, n_pairs: int, top_k: int = 1,
+              a_by_pair: bool = False, weights: torch.Tensor | None = None, act: int = ACT_NONE,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """:func:`grouped_gemm`'s result for decode-sized batches, pair by pair (``expert_of_pair``: int ``[n_pairs]``)."""
+    cfg = config or CONFIGS["gemv"]
+    a = a.contiguous()
+    n = w.n // 2 if act != ACT_NONE else w.n
+    out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+    if n_pairs == 0:
+        return out
+    dummy = w.scale
+    grid = (n_pairs, triton.cdiv(n, cfg["block_n"]))
+    _pair_gemv[grid](
+        a, out, w.q, w.scale, w.zero if w.zero is not None else dummy, w.lut if w.lut is not None else dummy,
+        bias if bias is not None else dummy, expert_of_pair, weights if weights is not None else dummy,
+        n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
+        TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
+        QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
+        BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(w, cfg), **_launch(a, cfg))
     return out
 
 
 def fused_moe(x: torch.Tensor, w13: KernelWeight, w2: KernelWeight, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor, act: int = ACT_SILU_GLU, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None, weight_on_input: bool = False, act_fn=None) -> torch.Tensor:
+              b2: torch.Tensor | None = None, weight_on_input: bool = False, act_fn=None,
+              kernel: str | None = None, configs: dict | None = None) -> torch.Tensor:
     """Routed MoE ``[T, H]``: every (token, expert) pair through its expert only. ``act=ACT_NONE`` with
-    ``act_fn(gate, up)`` runs any other activation between the two GEMMs in torch."""
+    ``act_fn(gate, up)`` runs any other activation between the two GEMMs in torch. ``kernel`` ("gemv"/"gemm")
+    and ``configs`` override the choice by batch size and :data:`CONFIGS` (tests, tuning)."""
     t, top_k = top_k_index.shape
     n_pairs = t * top_k
-    block_m = block_m_for(n_pairs, w13.experts)
-    sorted_ids, expert_ids = align_pairs(top_k_index, w13.experts, block_m)
+    kernel = kernel or ("gemv" if n_pairs <= GEMV_MAX_PAIRS else "gemm")
+    cfg = (configs or CONFIGS)[kernel]
     weights = top_k_weights.reshape(-1).contiguous()
+    if kernel == "gemv":
+        experts = top_k_index.reshape(-1).to(torch.int32)
+        run = lambda a, w, **kw: pair_gemv(a, w, experts, n_pairs, config=cfg, **kw)  # noqa: E731
+    else:
+        block_m = block_m_for(n_pairs, w13.experts)
+        sorted_ids, expert_ids = align_pairs(top_k_index, w13.experts, block_m)
+        run = lambda a, w, **kw: grouped_gemm(a, w, sorted_ids, expert_ids, n_pairs, block_m, config=cfg, **kw)  # noqa: E731
     if weight_on_input:  # Llama 4: each expert's input scaled by its router score
         a = (x.repeat_interleave(top_k, 0) * weights[:, None].to(x.dtype)).contiguous()
-        h = grouped_gemm(a, w13, sorted_ids, expert_ids, n_pairs, block_m, a_by_pair=True,
-                         act=act, bias=b13)
+        h = run(a, w13, a_by_pair=True, act=act, bias=b13)
     else:
-        h = grouped_gemm(x, w13, sorted_ids, expert_ids, n_pairs, block_m, top_k=top_k, act=act, bias=b13)
+        h = run(x, w13, top_k=top_k, act=act, bias=b13)
     if act == ACT_NONE:
         i = w13.n // 2
         h = act_fn(h[:, :i], h[:, i:]).contiguous()
-    y = grouped_gemm(h, w2, sorted_ids, expert_ids, n_pairs, block_m, a_by_pair=True,
-                     weights=None if weight_on_input else weights, bias=b2, out_dtype=torch.float32)
+    y = run(h, w2, a_by_pair=True, weights=None if weight_on_input else weights, bias=b2, out_dtype=torch.float32)
     return y.view(t, top_k, -1).sum(1).to(x.dtype)
 
 
@@ -254,6 +360,9 @@ def linear(x: torch.Tensor, w: KernelWeight, bias: torch.Tensor | None = None) -
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])
     m = a.shape[0]
+    if m <= LINEAR_GEMV_MAX_ROWS:  # decode: each row reads the weight (from L2 after the first)
+        y = pair_gemv(a, w, torch.zeros(m, dtype=torch.int32, device=x.device), m, a_by_pair=True, bias=bias)
+        return y.reshape(*lead, w.n)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     blocks = triton.cdiv(m, block_m)
     sorted_ids = torch.full((blocks * block_m,), m, dtype=torch.int32, device=x.device)
