@@ -93,34 +93,45 @@ def _layout_bnb4(w: Bnb4Weight, e: int, n: int, k: int) -> KernelWeight | None:
 
 
 @layout("int8")
-def _layout_int8(w: Int8Weight, e: int, n: int, k: int) -> KernelWeight:
+def _layout_int8(w: Int8Weight, e: int, n: int, k: int) -> KernelWeight | None:
+    if k % 2:  # the kernels read k in even/odd pairs
+        return None
     scale = (w.scb.float() * INV127).reshape(e, n, 1)
     return KernelWeight(w.weight.reshape(e, n, k).view(torch.uint8), scale, None, None, Q_INT8, k, n, k)
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
+def _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
                   QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``[BLOCK_K, BLOCK_N]`` tile of ``W[e, offs_n, k0:k0+BLOCK_K]`` transposed."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    if QKIND == 0 or QKIND == 2 or QKIND == 4:
-        half = K // 2
-        byte = tl.load(q_ptr + e * N * half + offs_n[None, :] * half + offs_k[:, None] // 2, mask=mask, other=0)
-        if QKIND != 2:
-            shift = (offs_k[:, None] % 2) * 4  # RTN: element 2j in the low nibble
-        else:
-            shift = (1 - offs_k[:, None] % 2) * 4  # bitsandbytes: element 2j in the high nibble
-        c = (byte >> shift.to(tl.uint8)) & 0xF
+    """``W[e, offs_n, k0:k0+BLOCK_K]ᵀ`` as two fp32 ``[BLOCK_K/2, BLOCK_N]`` tiles, the even and the odd k: a 4-bit
+    byte holds one of each, so its tile loads contiguous bytes along k (coalesced) and splits nibbles in registers
+    instead of loading each byte twice; callers multiply the even and odd activations. K and GROUP are even."""
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    k_even = k0 + 2 * offs_j
+    mask = (k_even[:, None] < K) & (offs_n[None, :] < N)
+    if QKIND == 1 or QKIND == 3:  # 8-bit codes
+        base = q_ptr + e * N * K + offs_n[None, :] * K + k_even[:, None]
+        c0 = tl.load(base, mask=mask, other=0)
+        c1 = tl.load(base + 1, mask=mask, other=0)
     else:
-        c = tl.load(q_ptr + e * N * K + offs_n[None, :] * K + offs_k[:, None], mask=mask, other=0)
-    g = offs_k[:, None] // GROUP
+        half = K // 2
+        byte = tl.load(q_ptr + e * N * half + offs_n[None, :] * half + (k0 // 2 + offs_j)[:, None], mask=mask,
+                       other=0)
+        if QKIND == 2:  # bitsandbytes: element 2j in the high nibble
+            c0 = byte >> 4
+            c1 = byte & 0xF
+        else:  # RTN: element 2j in the low nibble
+            c0 = byte & 0xF
+            c1 = byte >> 4
+    g = k_even[:, None] // GROUP
     s = tl.load(s_ptr + e * N * G + offs_n[None, :] * G + g, mask=mask, other=0.0).to(tl.float32)
     if QKIND == 2 or QKIND == 4:
-        v = tl.load(lut_ptr + c.to(tl.int32)) * s
+        v0 = tl.load(lut_ptr + c0.to(tl.int32)) * s
+        v1 = tl.load(lut_ptr + c1.to(tl.int32)) * s
     elif QKIND == 3:
-        v = c.to(tl.int8, bitcast=True).to(tl.float32) * s
+        v0 = c0.to(tl.int8, bitcast=True).to(tl.float32) * s
+        v1 = c1.to(tl.int8, bitcast=True).to(tl.float32) * s
     else:
         if HAS_ZERO:
             z = tl.load(z_ptr + e * N * G + offs_n[None, :] * G + g, mask=mask, other=0).to(tl.float32)
@@ -128,8 +139,9 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
             z = 8.0
         else:
             z = 128.0
-        v = (c.to(tl.float32) - z) * s
-    return v
+        v0 = (c0.to(tl.float32) - z) * s
+        v1 = (c1.to(tl.float32) - z) * s
+    return v0, v1
 
 
 @triton.jit
@@ -164,15 +176,16 @@ def _pair_gemv(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, expert_pt
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + row * stride_am + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        b = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
-                          BLOCK_N, BLOCK_K)
-        acc += tl.sum(a[:, None] * b, axis=0)
+        k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        a0 = tl.load(a_ptr + row * stride_am + k_even, mask=k_even < K, other=0.0).to(tl.float32)[:, None]
+        a1 = tl.load(a_ptr + row * stride_am + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)[:, None]
+        b0, b1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
+                               BLOCK_N, BLOCK_K)
+        acc += tl.sum(a0 * b0 + a1 * b1, axis=0)
         if ACT != 0:
-            b_up = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
-                                 HAS_ZERO, BLOCK_N, BLOCK_K)
-            acc_up += tl.sum(a[:, None] * b_up, axis=0)
+            u0, u1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
+                                   HAS_ZERO, BLOCK_N, BLOCK_K)
+            acc_up += tl.sum(a0 * u0 + a1 * u1, axis=0)
     nmask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * N_W + offs_n, mask=nmask, other=0.0).to(tl.float32)
@@ -210,16 +223,19 @@ def _grouped_gemm(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, sorted
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :],
-                    mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-        b = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
-                          BLOCK_N, BLOCK_K)
-        acc += tl.dot(a, b.to(a.dtype))
+        k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        amask = valid[:, None] & (k_even[None, :] < K)
+        a0 = tl.load(a_ptr + rows[:, None] * stride_am + k_even[None, :], mask=amask, other=0.0)
+        a1 = tl.load(a_ptr + rows[:, None] * stride_am + k_even[None, :] + 1, mask=amask, other=0.0)
+        b0, b1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
+                               BLOCK_N, BLOCK_K)
+        acc += tl.dot(a0, b0.to(a0.dtype))
+        acc += tl.dot(a1, b1.to(a1.dtype))
         if ACT != 0:
-            b_up = _dequant_tile(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
-                                 HAS_ZERO, BLOCK_N, BLOCK_K)
-            acc_up += tl.dot(a, b_up.to(a.dtype))
+            u0, u1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
+                                   HAS_ZERO, BLOCK_N, BLOCK_K)
+            acc_up += tl.dot(a0, u0.to(a0.dtype))
+            acc_up += tl.dot(a1, u1.to(a1.dtype))
     nmask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * N_W + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -253,7 +269,7 @@ def align_pairs(expert_of_pair: torch.Tensor, experts: int, block_m: int) -> tup
     p = expert_of_pair.numel()
     dev = expert_of_pair.device
     flat = expert_of_pair.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=experts)
+    counts = torch.zeros(experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pstart = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
@@ -271,11 +287,16 @@ def align_pairs(expert_of_pair: torch.Tensor, experts: int, block_m: int) -> tup
 
 
 def _launch(a: torch.Tensor, cfg: dict) -> dict:
-    return {} if a.device.type == "cpu" else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if a.device.type == "cpu":
+        return {}
+    wide = a.element_size() == 4  # fp32 activations: twice the shared memory per pipelined stage
+    return {"num_warps": cfg["num_warps"], "num_stages": min(cfg["num_stages"], 2) if wide else cfg["num_stages"]}
 
 
-def _block_k(w: KernelWeight, cfg: dict) -> int:
-    return min(cfg["block_k"], max(16, triton.next_power_of_2(w.k)))
+def _block_k(a: torch.Tensor, w: KernelWeight, cfg: dict) -> int:
+    """K per iteration: ≥ 32 (each ``tl.dot`` takes half of it, and needs 16), ≤ 64 for fp32 activations."""
+    bk = min(cfg["block_k"], 64) if a.element_size() == 4 and a.device.type != "cpu" else cfg["block_k"]
+    return max(32, min(bk, triton.next_power_of_2(w.k)))
 
 
 def grouped_gemm(a: torch.Tensor, w: KernelWeight, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, n_pairs: int,
@@ -297,7 +318,7 @@ def grouped_gemm(a: torch.Tensor, w: KernelWeight, sorted_ids: torch.Tensor, exp
         n_pairs, n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
         TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
         QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(w, cfg), **_launch(a, cfg))
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(a, w, cfg), **_launch(a, cfg))
     return out
 
 
@@ -320,7 +341,7 @@ def pair_gemv(a: torch.Tensor, w: KernelWeight, expert_of_pair: torch.Tensor, n_
         n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
         TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
         QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
-        BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(w, cfg), **_launch(a, cfg))
+        BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(a, w, cfg), **_launch(a, cfg))
     return out
 
 
@@ -337,7 +358,7 @@ def fused_moe(x: torch.Tensor, w13: KernelWeight, w2: KernelWeight, top_k_index:
     cfg = (configs or CONFIGS)[kernel]
     weights = top_k_weights.reshape(-1).contiguous()
     if kernel == "gemv":
-        experts = top_k_index.reshape(-1).to(torch.int32)
+        experts = top_k_index.reshape(-1)  # read as stored (int64): no conversion launch
         run = lambda a, w, **kw: pair_gemv(a, w, experts, n_pairs, config=cfg, **kw)  # noqa: E731
     else:
         block_m = block_m_for(n_pairs, w13.experts)
