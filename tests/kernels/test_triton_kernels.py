@@ -40,15 +40,17 @@ def problem(seed=0, e=6, h=128, i=128, t=7, a=2):
     return w13, w2, x, idx, wts
 
 
-@pytest.mark.parametrize("kernel", ["gemm", "gemv"])
+@pytest.mark.parametrize("kernel", ["gemm", "gemv", "gemv-per-weight"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_moe_matches_reference(fmt, kernel):
-    """Both kernels (the grouped GEMM for prompts, the per-pair GEMV for decode) on every format the layout takes."""
+    """Both kernels (the grouped GEMM for prompts, the per-pair GEMV for decode — its per-group sums and its
+    per-weight-scale branch) on every format the layout takes."""
     w13, w2, x, idx, wts = problem()
     q13, q2 = FORMATS[fmt](w13), FORMATS[fmt](w2)
     l13, l2 = (tm.kernel_layout(q.to(DEV)) for q in (q13, q2))
     assert l13 is not None and l2 is not None, fmt
-    y = tm.fused_moe(x.to(DEV), l13, l2, idx.to(DEV), wts.to(DEV), kernel=kernel).cpu()
+    configs = {**tm.CONFIGS, "gemv": {**tm.CONFIGS["gemv"], "per_group": kernel == "gemv"}}
+    y = tm.fused_moe(x.to(DEV), l13, l2, idx.to(DEV), wts.to(DEV), kernel=kernel.split("-")[0], configs=configs).cpu()
     silu_glu = lambda g, u: torch.nn.functional.silu(g) * u  # noqa: E731
     ref = reference_moe(q13.dequantize(torch.float32), q2.dequantize(torch.float32), x, idx, wts, silu_glu)
     assert (y - ref).abs().max() < TOL * max(1.0, ref.abs().max().item())
@@ -151,3 +153,24 @@ def test_linear_k_tail_and_odd_rows():
     y = tm.linear(x.to(DEV), tm.kernel_layout(q.to(DEV))).cpu()
     ref = x @ q.dequantize(torch.float32).T
     assert (y - ref).abs().max() < TOL * ref.abs().max()
+
+
+@pytest.mark.parametrize("rows", [2, 33])
+def test_linear_group_not_a_power_of_two(rows):
+    """Group 48 neither divides nor spans a K tile: the GEMV takes its per-weight-scale branch, the GEMM its tiles."""
+    g = torch.Generator().manual_seed(3)
+    q = rtn.quantize((torch.randn(40, 192, generator=g) * 0.05).bfloat16(), 4, 48, symmetric=False)
+    assert tm.tile_group(48, 192, 64) == 0
+    x = torch.randn(rows, 192, generator=g)
+    y = tm.linear(x.to(DEV), tm.kernel_layout(q.to(DEV))).cpu()
+    ref = x @ q.dequantize(torch.float32).T
+    assert (y - ref).abs().max() < TOL * ref.abs().max()
+
+
+def test_tile_group():
+    assert tm.tile_group(32, 2048, 128) == 32  # four groups per tile
+    assert tm.tile_group(128, 2048, 128) == 128
+    assert tm.tile_group(2048, 2048, 512) == 512  # per-row scale: the whole tile shares it
+    assert tm.tile_group(768, 768, 512) == 512  # one group per row, K not a multiple of the tile
+    assert tm.tile_group(1024, 4096, 512) == 512  # a group spans two tiles
+    assert tm.tile_group(96, 768, 64) == 0

@@ -85,8 +85,8 @@ def quantize_mx(w: torch.Tensor, name: str | None = None) -> RTNWeight:
     e = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2 + 127,
                     torch.zeros_like(amax)).clamp(0, 254)
     d = torch.ldexp(torch.ones_like(amax), (e - 128).to(torch.int32))
-    table = torch.tensor(MXFP4, dtype=torch.float32)
-    codes = torch.empty(g.shape, dtype=torch.uint8)
+    table = torch.tensor(MXFP4, dtype=torch.float32, device=w.device)
+    codes = torch.empty(g.shape, dtype=torch.uint8, device=w.device)
     for a, b in row_chunks(g.shape[0], k):
         err = (d[a:b, :, None, None] * table - g[a:b, ..., None]).abs()
         codes[a:b] = err.argmin(-1).to(torch.uint8)  # first minimum, as numpy's argmin in gguf-py
@@ -448,7 +448,7 @@ def _codebook_search(w: torch.Tensor, grid: str, bits: int, gs: int, ntry: int, 
     from moeq import native  # noqa: PLC0415
 
     k = w.shape[-1]
-    values = torch.tensor(grid_values(grid, bits), dtype=torch.float32)
+    values = torch.tensor(grid_values(grid, bits), dtype=torch.float32, device=w.device)
     padded = native_values(grid, bits)
     wc = w.contiguous()
     L = native.lib() if w.device.type == "cpu" and native_ok else None

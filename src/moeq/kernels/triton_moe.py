@@ -145,6 +145,59 @@ def _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N, K, G,
 
 
 @triton.jit
+def _gemv_partial(q_ptr, s_ptr, z_ptr, lut_ptr, a_ptr, e, offs_n, k0, N, K, G,
+                  QKIND: tl.constexpr, GROUP: tl.constexpr, TILE_G: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_k W[e, offs_n, k] * a[k]`` over ``[k0, k0 + BLOCK_K)``, ``[BLOCK_N]``: the tile is held as
+    ``[groups, pairs in a group, BLOCK_N]`` so codes times activations are summed per group first and each group's
+    scale (and zero point) is loaded and applied once, not per weight. ``TILE_G``: the k-span sharing one scale
+    inside the tile (the group size, or BLOCK_K when a group spans whole tiles)."""
+    NG: tl.constexpr = BLOCK_K // TILE_G
+    HP: tl.constexpr = TILE_G // 2
+    k_even = k0 + tl.arange(0, NG)[:, None, None] * TILE_G + 2 * tl.arange(0, HP)[None, :, None]  # [NG, HP, 1]
+    on = offs_n[None, None, :]
+    kmask = k_even < K
+    mask = kmask & (on < N)
+    if QKIND == 1 or QKIND == 3:
+        base = q_ptr + e * N * K + on * K + k_even
+        c0 = tl.load(base, mask=mask, other=0)
+        c1 = tl.load(base + 1, mask=mask, other=0)
+    else:
+        half = K // 2
+        byte = tl.load(q_ptr + e * N * half + on * half + k_even // 2, mask=mask, other=0)
+        if QKIND == 2:
+            c0 = byte >> 4
+            c1 = byte & 0xF
+        else:
+            c0 = byte & 0xF
+            c1 = byte >> 4
+    a0 = tl.load(a_ptr + k_even, mask=kmask, other=0.0).to(tl.float32)
+    a1 = tl.load(a_ptr + k_even + 1, mask=kmask, other=0.0).to(tl.float32)
+    if QKIND == 2 or QKIND == 4:
+        d0 = tl.load(lut_ptr + c0.to(tl.int32))
+        d1 = tl.load(lut_ptr + c1.to(tl.int32))
+    elif QKIND == 3:
+        d0 = c0.to(tl.int8, bitcast=True).to(tl.float32)
+        d1 = c1.to(tl.int8, bitcast=True).to(tl.float32)
+    elif HAS_ZERO:
+        d0 = c0.to(tl.float32)
+        d1 = c1.to(tl.float32)
+    else:  # symmetric: the implicit zero point subtracted per weight (no cancellation)
+        zc = 8.0 if QKIND == 0 else 128.0
+        d0 = c0.to(tl.float32) - zc
+        d1 = c1.to(tl.float32) - zc
+    part = tl.sum(d0 * a0 + d1 * a1, axis=1)  # [NG, BLOCK_N]
+    kg = k0 + tl.arange(0, NG) * TILE_G
+    gmask = (kg[:, None] < K) & (offs_n[None, :] < N)
+    gidx = e * N * G + offs_n[None, :] * G + (kg // GROUP)[:, None]
+    sc = tl.load(s_ptr + gidx, mask=gmask, other=0.0).to(tl.float32)
+    if HAS_ZERO:  # sum (c - z) a = sum c a - z sum a
+        z = tl.load(z_ptr + gidx, mask=gmask, other=0).to(tl.float32)
+        part = part - z * tl.sum(a0 + a1, axis=1)
+    return tl.sum(part * sc, axis=0)
+
+
+@triton.jit
 def _activate(acc, acc_up, ACT: tl.constexpr):
     if ACT == 1:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
@@ -160,7 +213,7 @@ def _pair_gemv(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, expert_pt
                N, K, G, stride_am, stride_om,
                TOP_K: tl.constexpr, A_BY_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, ACT: tl.constexpr,
                HAS_BIAS: tl.constexpr, QKIND: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               TILE_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Decode: ``out[pair, n] = act(A[row(pair)] @ W[expert(pair)]ᵀ + b) * w(pair)``, one pair per program row —
     no sorting or padding; a product-and-sum per tile instead of ``tl.dot`` (a single row would waste 15/16 of
     an MMA tile)."""
@@ -175,17 +228,25 @@ def _pair_gemv(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, expert_pt
     N_W = N * 2 if ACT != 0 else N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        a0 = tl.load(a_ptr + row * stride_am + k_even, mask=k_even < K, other=0.0).to(tl.float32)[:, None]
-        a1 = tl.load(a_ptr + row * stride_am + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)[:, None]
-        b0, b1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
-                               BLOCK_N, BLOCK_K)
-        acc += tl.sum(a0 * b0 + a1 * b1, axis=0)
-        if ACT != 0:
-            u0, u1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
-                                   HAS_ZERO, BLOCK_N, BLOCK_K)
-            acc_up += tl.sum(a0 * u0 + a1 * u1, axis=0)
+    if TILE_G > 0:  # scales per group (every power-of-two group size, per-row scales)
+        for k0 in range(0, K, BLOCK_K):
+            acc += _gemv_partial(q_ptr, s_ptr, z_ptr, lut_ptr, a_ptr + row * stride_am, e, offs_n, k0, N_W, K, G,
+                                 QKIND, GROUP, TILE_G, HAS_ZERO, BLOCK_N, BLOCK_K)
+            if ACT != 0:
+                acc_up += _gemv_partial(q_ptr, s_ptr, z_ptr, lut_ptr, a_ptr + row * stride_am, e, offs_n + N, k0,
+                                        N_W, K, G, QKIND, GROUP, TILE_G, HAS_ZERO, BLOCK_N, BLOCK_K)
+    else:  # a group size that neither divides nor spans BLOCK_K (e.g. 48): a scale per weight
+        for k0 in range(0, K, BLOCK_K):
+            k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            a0 = tl.load(a_ptr + row * stride_am + k_even, mask=k_even < K, other=0.0).to(tl.float32)[:, None]
+            a1 = tl.load(a_ptr + row * stride_am + k_even + 1, mask=k_even < K, other=0.0).to(tl.float32)[:, None]
+            b0, b1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n, k0, N_W, K, G, QKIND, GROUP, HAS_ZERO,
+                                   BLOCK_N, BLOCK_K)
+            acc += tl.sum(a0 * b0 + a1 * b1, axis=0)
+            if ACT != 0:
+                u0, u1 = _weight_tiles(q_ptr, s_ptr, z_ptr, lut_ptr, e, offs_n + N, k0, N_W, K, G, QKIND, GROUP,
+                                       HAS_ZERO, BLOCK_N, BLOCK_K)
+                acc_up += tl.sum(a0 * u0 + a1 * u1, axis=0)
     nmask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * N_W + offs_n, mask=nmask, other=0.0).to(tl.float32)
@@ -251,10 +312,10 @@ def _grouped_gemm(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, sorted
 # Block sizes per kernel, decided once (``benchmarks/gpu_check.py --tune`` on an H200; the interpreter ignores the
 # launch options). "gemv" serves batches up to GEMV_MAX_PAIRS (token, expert) pairs, "gemm" the rest.
 CONFIGS = {
-    "gemv": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
-    "gemm": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    "gemv": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2},
+    "gemm": {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3},
 }
-GEMV_MAX_PAIRS = 32
+GEMV_MAX_PAIRS = 128  # up to 16 tokens at top-8: the GEMV was faster at every size measured up to there
 LINEAR_GEMV_MAX_ROWS = 4  # a dense linear's rows all read the same weight: few rows only
 
 
@@ -334,6 +395,7 @@ def pair_gemv(a: torch.Tensor, w: KernelWeight, expert_of_pair: torch.Tensor, n_
     if n_pairs == 0:
         return out
     dummy = w.scale
+    block_k = _block_k(a, w, cfg)
     grid = (n_pairs, triton.cdiv(n, cfg["block_n"]))
     _pair_gemv[grid](
         a, out, w.q, w.scale, w.zero if w.zero is not None else dummy, w.lut if w.lut is not None else dummy,
@@ -341,8 +403,18 @@ def pair_gemv(a: torch.Tensor, w: KernelWeight, expert_of_pair: torch.Tensor, n_
         n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
         TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
         QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
-        BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(a, w, cfg), **_launch(a, cfg))
+        TILE_G=tile_group(w.group, w.k, block_k) if cfg.get("per_group", True) else 0,
+        BLOCK_N=cfg["block_n"], BLOCK_K=block_k, **_launch(a, cfg))
     return out
+
+
+def tile_group(group: int, k: int, block_k: int) -> int:
+    """The k-span of a ``block_k`` tile that shares one scale (0: groups neither divide nor span the tile)."""
+    if group <= block_k and block_k % group == 0 and group & (group - 1) == 0:
+        return group
+    if group % block_k == 0 or group >= k:
+        return block_k
+    return 0
 
 
 def fused_moe(x: torch.Tensor, w13: KernelWeight, w2: KernelWeight, top_k_index: torch.Tensor,
