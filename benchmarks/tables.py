@@ -78,9 +78,27 @@ def exports(name: str = "exports.json") -> str:
     return "\n".join(lines)
 
 
+def gpu(name: str = "gpu.json") -> str:
+    """The fused Triton MoE on Qwen3-30B-A3B's expert shapes, per format: GPU time at 1 and 512 tokens."""
+    d = json.loads((RESULTS / name).read_text())
+    bw = d["bandwidth_bytes_per_s"]
+    lines = [f"{d['device']} (copy bandwidth {bw / 1e12:.2f} TB/s; `benchmarks/results/{name}`), one MoE layer "
+             "(128 experts, top-8, hidden 2048, expert 768), kernels' GPU time:", "",
+             "| weights | bits/weight | 1 token: us, share of bandwidth | 8 tokens: us | 512 tokens: us, vs bf16 "
+             "grouped GEMM |", "|---|---|---|---|---|"]
+    for fmt, v in d["micro"]["formats"].items():
+        rows = {r["tokens"]: r for r in v["rows"]}
+        one, eight, big = rows[1], rows[8], rows[512]
+        bf16 = big["bf16_experts_graph_s"] or big["bf16_experts_s"]
+        lines.append(f"| {fmt} | {v['bits_per_weight']:.2f} | {one['kernel_s'] * 1e6:.0f}, "
+                     f"{one['weight_bytes_per_s'] / bw:.0%} | {eight['kernel_s'] * 1e6:.0f} | "
+                     f"{big['kernel_s'] * 1e6:.0f}, {bf16 / big['kernel_s']:.2f}x |")
+    return "\n".join(lines)
+
+
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
-          "accuracy": accuracy, "exports": exports}
+          "accuracy": accuracy, "exports": exports, "gpu": gpu}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

@@ -309,13 +309,15 @@ def _grouped_gemm(a_ptr, out_ptr, q_ptr, s_ptr, z_ptr, lut_ptr, bias_ptr, sorted
              mask=valid[:, None] & nmask[None, :])
 
 
-# Block sizes per kernel, decided once (``benchmarks/gpu_check.py --tune`` on an H200; the interpreter ignores the
-# launch options). "gemv" serves batches up to GEMV_MAX_PAIRS (token, expert) pairs, "gemm" the rest.
+# Block sizes per kernel, decided once (``benchmarks/gpu_check.py --tune`` on an H200, benchmarks/results/gpu.json;
+# the interpreter ignores the launch options). "gemv" serves batches up to GEMV_MAX_PAIRS (token, expert) pairs,
+# "gemm" the rest. "per_group": the GEMV's per-group sums (:func:`_gemv_partial`) — measured slower on the H200
+# (51 vs 34 us per Qwen3-30B-A3B MoE layer at one token) than a scale per weight, so off.
 CONFIGS = {
-    "gemv": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2},
+    "gemv": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2, "per_group": False},
     "gemm": {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3},
 }
-GEMV_MAX_PAIRS = 128  # up to 16 tokens at top-8: the GEMV was faster at every size measured up to there
+GEMV_MAX_PAIRS = 128  # up to 16 tokens at top-8: the GEMV was faster at every size measured up to there (H200)
 LINEAR_GEMV_MAX_ROWS = 4  # a dense linear's rows all read the same weight: few rows only
 
 
