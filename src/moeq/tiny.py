@@ -217,3 +217,117 @@ def make_mxfp4_checkpoint(out: str | os.PathLike, **kw) -> Path:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 words below 2^32 as int32 with the same bits."""
+    return torch.where(x >= 2 ** 31, x - 2 ** 32, x).to(torch.int32).contiguous()
+
+
+def int_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool,
+                 g_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GPTQ/AWQ-style integer quantization of ``w [N, K]`` (round to nearest, no calibration): codes ``[K, N]``,
+    zero points and fp16 scales ``[G, N]``; input ``k`` in group ``g_idx[k]`` (default ``k // group_size``).
+    Symmetric: zero point ``2^(bits-1)``, scale ``2 max|w| / (2^bits - 1)``; asymmetric: min/max."""
+    n, k = w.shape
+    gs = k if group_size == -1 else group_size
+    g_idx = torch.arange(k) // gs if g_idx is None else g_idx.long()
+    groups = k // gs
+    maxq = (1 << bits) - 1
+    wt = w.float().t()  # [K, N]
+    scales = torch.empty(groups, n)
+    zeros = torch.empty(groups, n)
+    for g in range(groups):
+        cols = wt[g_idx == g]
+        if sym:
+            s = (2 * cols.abs().amax(0) / maxq).clamp_min(1e-8)
+            z = torch.full((n,), float(1 << (bits - 1)))
+        else:
+            lo, hi = cols.amin(0).clamp(max=0), cols.amax(0).clamp(min=0)
+            s = ((hi - lo) / maxq).clamp_min(1e-8)
+            z = torch.round(-lo / s).clamp(0, maxq)
+        scales[g], zeros[g] = s.half().float(), z
+    q = torch.clamp(torch.round(wt / scales[g_idx]) + zeros[g_idx], 0, maxq).to(torch.uint8)
+    return q, zeros.to(torch.uint8), scales.half()
+
+
+def pack_gptq(q: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's int32 words: codes ``[K, N]`` packed along K (code ``k = per*r + i`` at bit ``bits*i`` of row ``r``),
+    zero points ``[G, N]`` along N; v1 (``checkpoint_format: "gptq"``) stores each zero point minus one."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    qk = q.to(torch.int64).reshape(-1, per, q.shape[1])
+    qweight = sum(qk[:, i] << (bits * i) for i in range(per))
+    z = zeros.to(torch.int64)
+    if v1:
+        z = (z - 1) & mask
+    zn = z.reshape(z.shape[0], -1, per)
+    qzeros = sum(zn[..., i] << (bits * i) for i in range(per))
+    return _int32(qweight), _int32(qzeros)
+
+
+def pack_awq(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ's GEMM words: codes ``[K, N]`` and zero points ``[G, N]`` packed along N, nibble ``i`` of word ``j``
+    holding column ``8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]``."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+
+    def words(x: torch.Tensor) -> torch.Tensor:
+        xs = x.to(torch.int64).reshape(x.shape[0], -1, 8)
+        return _int32(sum(xs[..., order[i]] << (4 * i) for i in range(8)))
+    return words(q), words(zeros)
+
+
+def to_gptq(src: str | os.PathLike, out: str | os.PathLike, kind: str = "gptq", bits: int = 4,
+            group_size: int = 32, sym: bool = True, act_order: bool = False, v1: bool = True) -> Path:
+    """Write ``src`` (a bf16 checkpoint with per-expert keys) in the GPTQ or AWQ (GEMM) layout: every linear of the
+    decoder layers (experts included; not the embeddings, head, norms or routers) as ``qweight``/``qzeros``/
+    ``scales`` (+ GPTQ's ``g_idx``; ``act_order``: inputs assigned to groups through a seeded permutation, as
+    ``desc_act`` does), with the matching ``quantization_config``."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    written: dict[str, list[str]] = {}
+    for f in sorted(src.iterdir()):
+        if f.suffix != ".safetensors":
+            if f.is_file() and src != out:
+                shutil.copy2(f, out / f.name)
+            continue
+        new = {}
+        for key, t in load_file(str(f)).items():
+            if t.ndim != 2 or not key.endswith(".weight") or any(s in key for s in FP8_SKIP):
+                new[key] = t
+                continue
+            n, k = t.shape
+            gs = k if group_size == -1 else group_size
+            g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // gs) if act_order else torch.arange(k) // gs
+            q, zeros, scales = int_quantize(t, bits, group_size, sym, g_idx)
+            prefix = key[: -len("weight")]
+            if kind == "awq":
+                new[prefix + "qweight"], new[prefix + "qzeros"] = pack_awq(q, zeros)
+            else:
+                new[prefix + "qweight"], new[prefix + "qzeros"] = pack_gptq(q, zeros, bits, v1)
+                new[prefix + "g_idx"] = g_idx.to(torch.int32)
+            new[prefix + "scales"] = scales
+            written[key] = [k2 for k2 in new if k2.startswith(prefix) and not k2.endswith("bias")]
+        save_file(new, str(out / f.name), metadata={"format": "pt"})
+    idx = out / "model.safetensors.index.json"
+    if idx.exists():
+        index = json.loads(idx.read_text())
+        for key, parts in written.items():
+            fname = index["weight_map"].pop(key)
+            index["weight_map"].update({p: fname for p in parts})
+        idx.write_text(json.dumps(index, indent=1))
+    cfg = json.loads((out / "config.json").read_text())
+    if kind == "awq":
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group_size,
+                                      "zero_point": True, "version": "gemm"}
+    else:
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
+                                      "desc_act": act_order, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -283,6 +283,24 @@ def test_fuzz_mxfp4_source(mxfp4_ref, isolated, data):
     check(isolated, src, ref, mutation, data)
 
 
+@pytest.fixture(scope="module", params=["gptq", "awq"])
+def gptq_ref(request, isolated, tmp_path_factory):
+    from moeq.tiny import make_checkpoint, to_gptq
+
+    src = make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("gptqsrc") / "c")
+    out = to_gptq(src, tmp_path_factory.mktemp("gptq") / "c", kind=request.param, sym=False)
+    return _reference(isolated, tmp_path_factory, out)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_gptq_awq(gptq_ref, isolated, data):
+    """GPTQ (v1 zero points, g_idx) and AWQ (interleaved nibbles) int32 words, fp16 scales, loaded as stored."""
+    src, ref = gptq_ref
+    mutation = data.draw(st.sampled_from([m_header, m_tensor, m_tensor, m_config]), label="how")
+    check(isolated, src, ref, mutation, data)
+
+
 def m_gguf(data, d: Path) -> None:
     """Structural damage to a GGUF file: its counts/version, its tensor-info table (types, dims, offsets), a
     truncated or extended tail. (Not the values inside metadata strings: another number in the stored transformers

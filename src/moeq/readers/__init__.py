@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq.errors import MoeqError
 from moeq.io.safetensors_io import Checkpoint
-from moeq.readers import bnb, compressed_tensors, fp8, gguf, mxfp4, saved, source
+from moeq.readers import bnb, compressed_tensors, fp8, gguf, gptq, mxfp4, saved, source
 from moeq.readers.state import read_config
 
 
@@ -52,6 +52,7 @@ READERS: list[Reader] = [
     Reader("compressed-tensors", compressed_tensors.claims, compressed_tensors.read),
     Reader("fp8", fp8.claims, fp8.read),
     Reader("mxfp4", mxfp4.claims, mxfp4.read),
+    Reader("gptq/awq", gptq.claims, gptq.read),
     Reader("bitsandbytes", bnb.claims, bnb.read),
     Reader("source", source.claims, source.read),
 ]
@@ -78,9 +79,8 @@ def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: t
         if reader.claims(found):
             return reader.read(found, quant, dtype, progress)
     raise MoeqError(f"{path}: checkpoints quantized with quant_method={found.qc.get('quant_method')!r} are not "
-                    "supported; moeq loads bf16/fp16, moeq, FP8 (block-scaled e4m3), MXFP4 (gpt-oss), bitsandbytes, "
-                    "compressed-tensors and "
-                    "moeq GGUF checkpoints")
+                    "supported; moeq loads bf16/fp16, moeq, FP8 (block-scaled e4m3), MXFP4 (gpt-oss), GPTQ, AWQ, "
+                    "bitsandbytes, compressed-tensors and moeq GGUF checkpoints")
 
 
 SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (without a method, with --method M)
@@ -92,6 +92,8 @@ SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (witho
     "mxfp4": ("experts run as stored (moeq's mxfp4 grid)", "experts dequantized and re-quantized with M; bf16 linears "
               "quantized with M"),
     "compressed-tensors": ("pack-quantized weights run as stored (RTN)", "refused: already quantized"),
+    "gptq/awq": ("int4/int8 weights run as stored (RTN: vllm grid or asym, exact); act-order GPTQ refused",
+                 "weights dequantized exactly and re-quantized with M in flight"),
     "bitsandbytes": ("4/8-bit states run as stored; bf16 experts quantized with the checkpoint's settings",
                      "bf16 tensors quantized with M; stored states run as stored"),
     "source": ("kept in the compute dtype", "quantized with M in flight (experts, attention; routers, norms, "
@@ -110,6 +112,9 @@ def describe(path: Path) -> dict:
         out["fp8_weights"] = sum(1 for i in found.ckpt.tensors.values() if i.dtype == torch.float8_e4m3fn)
     elif name == "mxfp4":
         out["mxfp4_stacks"] = sum(1 for k in found.ckpt.tensors if k.endswith("_blocks"))
+    elif name == "gptq/awq":
+        kind, bits, gs, _ = gptq.settings(found.qc)
+        out.update(bits=bits, group_size=gs, quantized_weights=len(gptq.groups(found.ckpt)[0]))
     if found.ckpt is not None:
         out["tensors"] = len(found.ckpt.tensors)
     without, with_method = SOURCE_ACTIONS.get(name, ("refused", "refused"))

@@ -27,9 +27,10 @@ def read(found, quant, dtype, progress: bool) -> nn.Module:
 
 
 def stream(state: LoadState, member: dict[str, str], read_packed: Callable[[str], PackedWeight],
-           progress: bool) -> nn.Module:
+           progress: bool, dense: bool = False) -> nn.Module:
     """The one loop of a checkpoint holding packed weights: each weight's keys (``member``: key -> its weight) are
-    read together once and placed as packed; every other tensor takes the plain route."""
+    read together once and placed as packed; every other tensor takes the plain route. ``dense``: ``read_packed``
+    returns the weight dequantized, placed as a source tensor (quantized in flight by the load's method)."""
     done: set[str] = set()
     for key in tqdm(state.ckpt.keys(), desc="loading", unit="tensor", disable=not progress):
         head = member.get(key)
@@ -37,5 +38,5 @@ def stream(state: LoadState, member: dict[str, str], read_packed: Callable[[str]
             state.route(key)
         elif head not in done:
             done.add(head)
-            state.put_packed(head, read_packed(head))
+            (state.put_dense if dense else state.put_packed)(head, read_packed(head))
     return state.finish()

@@ -296,6 +296,28 @@ class LoadState:
         log.info("%s: quantized in the checkpoint, dequantized into %s (its module is not a Linear)", head, self.dtype)
         set_tensor(self.model, name, q.dequantize(self.dtype), head)
 
+    def put_dense(self, head: str, w: torch.Tensor) -> None:
+        """A weight the reader computed (a pre-quantized one dequantized exactly, to be re-quantized): placed as a
+        source tensor of that name would be — an expert piece or a planned linear quantized by the load's method,
+        anything else set in the compute dtype."""
+        name = self.arch.rename(head)
+        m = self.arch.expert_key_re.match(name)
+        if m and m["mod"] in self.builders:
+            self.builders[m["mod"]].put(int(m["e"]), self.arch.proj_kind(m["proj"]), w, head)
+            self.build_if_complete(m["mod"])
+            return
+        mod_name = name[: -len(".weight")]
+        if mod_name in self.linears:
+            lin = self.model.get_submodule(mod_name)
+            if tuple(w.shape) != tuple(lin.weight.shape):
+                raise MoeqError(f"{head}: shape {list(w.shape)} does not match the config (expected "
+                                f"{list(lin.weight.shape)})")
+            bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
+            set_module(self.model, mod_name, quantize_linear(mod_name, w.to(lin.weight.dtype), bias,
+                                                             self.linears.pop(mod_name)))
+            return
+        set_tensor(self.model, name, w.to(self.dtype), head)
+
     def _quantize_tied_head(self) -> None:
         """A rule quantizing a head tied to the embeddings (the checkpoint holds no lm_head weight): the head gets its
         own quantized copy of the embedding matrix, the embeddings stay in the compute dtype."""
