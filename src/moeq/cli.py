@@ -86,15 +86,9 @@ def _quant_config(args):
 
 
 def _tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from moeq.generation import load_tokenizer
 
-    from moeq.readers.gguf import gguf_file
-
-    try:
-        g = gguf_file(Path(path))
-        return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name) if g else AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # an untrusted folder parsed by transformers/tokenizers: the failure is the folder's
-        raise MoeqError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from None
+    return load_tokenizer(path)
 
 
 def _dtype(name: str | None):
@@ -219,6 +213,15 @@ def cmd_generate(args) -> int:
         n = out.shape[1] - ids.shape[1]
         print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def cmd_serve(args) -> int:
+    from moeq.serve import serve
+
+    return serve(args.model, host=args.host, port=args.port, quant=_quant_config(args) if args.method else None,
+                 dtype=_dtype(args.dtype), device=args.device, name=args.name, api_key=args.api_key,
+                 max_concurrency=args.max_concurrency, max_queue=args.max_queue, context=args.ctx,
+                 log_level="info" if args.verbose else "warning")
 
 
 def cmd_chat(args) -> int:
@@ -493,6 +496,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system prompt")
     sampling_args(c, 256)
     c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching and a chat page",
+                        epilog="examples:\n  moeq serve qwen-moeq\n  moeq serve Qwen3-30B-A3B --method q4_0 --port 8080 "
+                        "--api-key \"$KEY\"\n  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: "
+                        "application/json' -d '{\"model\": \"qwen-moeq\", \"messages\": [{\"role\": \"user\", "
+                        "\"content\": \"Hi\"}]}'", formatter_class=_Formatter)
+    sv.add_argument("model", help="anything 'moeq generate' takes (served under its folder name)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--port", type=_int_at_least(0, 65535), default=8000)
+    method_args(sv, None)
+    sv.add_argument("--max-concurrency", type=_int_at_least(1, 64), default=8,
+                    help="requests decoding together (rows of one batched step)")
+    sv.add_argument("--max-queue", type=_int_at_least(0, 1 << 16), default=None,
+                    help="requests waiting beyond those (more get 429; default: 4 x --max-concurrency)")
+    sv.add_argument("--ctx", type=_int_at_least(16), default=None,
+                    help="context length per request (default: the model's max_position_embeddings)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument("--name", default=None, help="the model id clients use (default: the folder's name)")
+    sv.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("inspect", help="what is quantized how", epilog="example:\n  moeq inspect qwen-rtn4 --json")
     i.add_argument("model", help="a moeq checkpoint (or any checkpoint moeq loads)")

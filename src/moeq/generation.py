@@ -29,6 +29,34 @@ class Sampling:
                 "top_p": 0.95 if self.top_p is None else self.top_p, "top_k": self.top_k or 0}
 
 
+def load_tokenizer(path):
+    """The tokenizer of a model folder or of a GGUF file moeq reads (a clear error when there is none usable)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from moeq.readers.gguf import gguf_file  # noqa: PLC0415
+
+    try:
+        g = gguf_file(Path(path))
+        return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name) if g else AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # an untrusted folder parsed by transformers/tokenizers: the failure is the folder's
+        raise MoeqError(f"{path}: no usable tokenizer ({type(e).__name__}: {e})") from None
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation with the generation prompt: the tokenizer's chat template, or — for a tokenizer
+    without one — ChatML as text (what llama.cpp's server falls back to)."""
+    if has_chat_template(tok):
+        return encode(tok, messages)[0].tolist()
+    text = tok.apply_chat_template(messages, chat_template=CHATML, add_generation_prompt=True, tokenize=False)
+    return tok(text).input_ids
+
+
 def has_chat_template(tok) -> bool:
     return bool(getattr(tok, "chat_template", None))
 

@@ -1,0 +1,334 @@
+"""Continuous batching for ``moeq serve``: one thread owns the model; concurrent requests share its decode steps.
+
+Each step the scheduler (1) admits waiting requests while rows are free, (2) runs the next chunk of one admitted
+prompt through the model with that request's own KV cache (chunks of :attr:`Scheduler.chunk` tokens, so a long
+prompt never stalls the others for more than one chunk), merging the request into the batch once its prompt is in,
+and (3) runs one decode step for every decoding row together — ``[B, 1]`` tokens through the model's own forward, so
+moeq's multi-row native kernels serve all of them in one pass over the routed experts' weights.
+
+The batch's KV cache is one ``DynamicCache`` whose rows are left-padded to a common length (padding masked out by
+the attention mask, positions per row): a request joins by left-padding (its rows or the batch's) and leaves by
+dropping its row, after which columns that every row pads are trimmed. A cancelled request (a client that went
+away) leaves at the next step. Models whose cache is not one full-attention layer per decoder layer (sliding
+windows, linear attention) decode row by row instead, each with its own cache — same results, no batching.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from moeq.errors import MoeqError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    """One completion: its prompt, settings, and where its tokens go (``emit(kind, payload)``, thread-safe)."""
+
+    prompt: list[int]
+    max_tokens: int
+    emit: Callable[[str, object], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # scheduler state
+    generated: list[int] = dataclasses.field(default_factory=list)
+    sampled: int = 0  # tokens sampled, the end-of-sequence token included (usage.completion_tokens)
+    sent: int = 0  # characters of the decoded text already emitted
+    cache: object = None  # own KV cache while the prompt runs (and, row by row, after)
+    done_prompt: int = 0
+    generator: torch.Generator | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, stop_ids: list[int], max_batch: int = 8, max_queue: int = 64,
+                 chunk: int = 256, context: int | None = None):
+        self.model, self.tok, self.stop_ids = model, tokenizer, set(stop_ids)
+        self.max_batch, self.max_queue, self.chunk, self.context = max_batch, max_queue, chunk, context
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.admitted: list[Request] = []  # prompts being prefilled
+        self.rows: list[Request] = []  # decoding, one row each
+        self.cache = None  # the batch's cache (rows in self.rows order)
+        self.mask: torch.Tensor | None = None  # [B, S] 1 = real token
+        self.lengths: torch.Tensor | None = None  # [B] real tokens per row
+        self.batched: bool | None = None  # decided at the first join: False decodes row by row
+        self.stats = {"steps": 0, "tokens": 0, "prompt_tokens": 0, "last_batch": 0, "max_batch": 0, "requests": 0}
+        self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps: tok/s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moeq-scheduler", daemon=True)
+        self.error: BaseException | None = None
+
+    # -- the API the server uses ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, req: Request) -> bool:
+        """Queue a request; False when every row is taken and ``max_queue`` requests already wait (the caller
+        answers 429)."""
+        free = max(0, self.max_batch - len(self.rows) - len(self.admitted))
+        if self.waiting.qsize() >= self.max_queue + free:
+            return False
+        if req.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.seed)
+        self.waiting.put(req)
+        self._wake.set()
+        return True
+
+    def depth(self) -> dict:
+        return {"waiting": self.waiting.qsize(), "prefilling": len(self.admitted), "decoding": len(self.rows)}
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in self._recent if now - t <= window]
+        self._recent = recent
+        if len(recent) < 2:
+            return 0.0
+        return sum(n for _, n in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-9)
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    if not self._step():
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+        except BaseException as e:  # a bug in the loop itself: every request gets the error, the server reports it
+            log.exception("scheduler stopped")
+            self.error = e
+        finally:
+            for r in self.rows + self.admitted + self._drain():
+                r.emit("error", "the server is shutting down" if self.error is None else
+                       f"{type(self.error).__name__}: {self.error}")
+
+    def _drain(self) -> list[Request]:
+        out = []
+        while True:
+            try:
+                out.append(self.waiting.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _step(self) -> bool:
+        """One scheduling step; False when there was nothing to do."""
+        self._drop_cancelled()
+        while len(self.rows) + len(self.admitted) < self.max_batch:
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            if not req.cancelled.is_set():
+                self.admitted.append(req)
+                self.stats["requests"] += 1
+        did = False
+        if self.admitted:
+            req = self.admitted[0]
+            try:
+                self._prefill_chunk(req)
+            except Exception as e:  # this prompt failed (e.g. non-finite activations): its request alone ends
+                log.warning("a prompt failed: %s", e)
+                if req in self.admitted:
+                    self.admitted.remove(req)
+                req.emit("error", f"{type(e).__name__}: {e}")
+            did = True
+        if self.rows:
+            try:
+                self._decode_step()
+            except Exception as e:  # the step failed: the rows in it end, the server goes on
+                log.warning("a decode step failed: %s", e)
+                for r in self.rows:
+                    r.emit("error", f"{type(e).__name__}: {e}")
+                self.rows, self.cache, self.mask, self.lengths = [], None, None, None
+            did = True
+        return did
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self.admitted if r.cancelled.is_set()]:
+            self.admitted.remove(r)
+        gone = [i for i, r in enumerate(self.rows) if r.cancelled.is_set()]
+        if gone:
+            self._remove_rows(gone)
+
+    # -- prompts ----------------------------------------------------------------------------------------------------
+    def _prefill_chunk(self, req: Request) -> None:
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        if req.cache is None:
+            req.cache = DynamicCache(config=self.model.config)
+        a = req.done_prompt
+        b = min(len(req.prompt), a + self.chunk)
+        ids = torch.tensor([req.prompt[a:b]], dtype=torch.long)
+        out = self.model(input_ids=ids, attention_mask=torch.ones(1, b, dtype=torch.long),
+                         position_ids=torch.arange(a, b)[None], cache=req.cache, use_cache=True, logits_to_keep=1)
+        req.done_prompt = b
+        self.stats["prompt_tokens"] += b - a
+        if b < len(req.prompt):
+            return
+        self.admitted.remove(req)
+        token = self._sample(req, out.logits[0, -1])
+        if self._accept(req, token):  # finished on its first token: never joins the batch
+            return
+        self._join(req)
+
+    # -- the batch --------------------------------------------------------------------------------------------------
+    def _layers_full(self, cache) -> bool:
+        from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+        layers = getattr(cache, "layers", None)
+        return isinstance(layers, list) and bool(layers) and all(type(x) is DynamicLayer for x in layers)
+
+    def _join(self, req: Request) -> None:
+        t = len(req.prompt) + len(req.generated) - 1  # the last sampled token is not in the cache yet
+        if self.batched is None:
+            self.batched = self._layers_full(req.cache)
+            if not self.batched:
+                log.info("this model's cache cannot be left-padded: decoding row by row")
+        if not self.batched:
+            self.rows.append(req)
+            return
+        if not self.rows:
+            self.cache, req.cache = req.cache, None
+            self.mask = torch.ones(1, t, dtype=torch.long)
+            self.lengths = torch.tensor([t])
+            self.rows.append(req)
+            return
+        s = self.mask.shape[1]
+        width = max(s, t)
+        for mine, theirs in zip(self.cache.layers, req.cache.layers):
+            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
+            mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
+        row = torch.zeros(1, width, dtype=torch.long)
+        row[:, width - t:] = 1
+        self.mask = torch.cat([_pad_left(self.mask, width), row])
+        self.lengths = torch.cat([self.lengths, torch.tensor([t])])
+        req.cache = None
+        self.rows.append(req)
+
+    def _remove_rows(self, idx: list[int]) -> None:
+        keep = [i for i in range(len(self.rows)) if i not in set(idx)]
+        self.rows = [self.rows[i] for i in keep]
+        if not self.batched:
+            return
+        if not keep:
+            self.cache = self.mask = self.lengths = None
+            return
+        sel = torch.tensor(keep)
+        self.mask = self.mask[sel]
+        self.lengths = self.lengths[sel]
+        lead = int((self.mask.cumsum(1) == 0).sum(1).min())  # columns every row pads
+        self.mask = self.mask[:, lead:].contiguous()
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[sel, :, lead:].contiguous()
+            layer.values = layer.values[sel, :, lead:].contiguous()
+
+    def _decode_step(self) -> None:
+        if not self.batched:
+            for r in list(self.rows):
+                self._decode_alone(r)
+            return
+        b = len(self.rows)
+        ids = torch.tensor([[r.generated[-1]] for r in self.rows], dtype=torch.long)
+        self.mask = torch.cat([self.mask, torch.ones(b, 1, dtype=torch.long)], 1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.lengths[:, None],
+                         cache=self.cache, use_cache=True)
+        self.lengths = self.lengths + 1
+        logits = out.logits[:, -1]
+        done = [i for i, r in enumerate(self.rows) if self._accept(r, self._sample(r, logits[i]))]
+        self.stats["steps"] += 1
+        self.stats["last_batch"] = b
+        self.stats["max_batch"] = max(self.stats["max_batch"], b)
+        self._recent.append((time.perf_counter(), b))
+        if done:
+            self._remove_rows(done)
+
+    def _decode_alone(self, r: Request) -> None:
+        t = len(r.prompt) + len(r.generated) - 1
+        out = self.model(input_ids=torch.tensor([[r.generated[-1]]]), position_ids=torch.tensor([[t]]),
+                         cache=r.cache, use_cache=True)
+        self.stats["steps"] += 1
+        self.stats["last_batch"] = 1
+        self._recent.append((time.perf_counter(), 1))
+        if self._accept(r, self._sample(r, out.logits[0, -1])):
+            self.rows.remove(r)
+
+    # -- tokens -----------------------------------------------------------------------------------------------------
+    def _sample(self, r: Request, logits: torch.Tensor) -> int:
+        x = logits.float()
+        if not bool(torch.isfinite(x).all()):
+            raise MoeqError("the model produced non-finite logits")
+        if r.temperature <= 0:
+            return int(x.argmax())
+        x = x / r.temperature
+        if r.top_k > 0:
+            kth = torch.topk(x, min(r.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        p = torch.softmax(x, -1)
+        if r.top_p < 1.0:
+            sp, si = torch.sort(p, descending=True)
+            cut = (sp.cumsum(-1) - sp) > r.top_p  # keep the smallest prefix reaching top_p
+            sp[cut] = 0
+            p = torch.zeros_like(p).scatter_(0, si, sp)
+        return int(torch.multinomial(p / p.sum(), 1, generator=r.generator))
+
+    def _accept(self, r: Request, token: int) -> bool:
+        """Record a sampled token, emit the text it completes; True when the request is finished."""
+        self.stats["tokens"] += 1
+        r.sampled += 1
+        if token in self.stop_ids:
+            return self._finish(r, "stop")
+        r.generated.append(token)
+        text = self.tok.decode(r.generated, skip_special_tokens=True)
+        for s in r.stop:
+            at = text.find(s)
+            if at >= 0:
+                if at > r.sent:
+                    r.emit("text", text[r.sent:at])
+                r.sent = max(r.sent, at)
+                return self._finish(r, "stop")
+        hold = max((len(s) - 1 for s in r.stop), default=0)  # a stop string may still be completing
+        ready = len(text) - hold
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            ready = min(ready, len(text) - 1)
+        if ready > r.sent:
+            r.emit("text", text[r.sent:ready])
+            r.sent = ready
+        total = len(r.prompt) + len(r.generated)
+        if len(r.generated) >= r.max_tokens or (self.context is not None and total >= self.context):
+            if len(text) > r.sent:
+                r.emit("text", text[r.sent:])
+                r.sent = len(text)
+            return self._finish(r, "length")
+        return False
+
+    def _finish(self, r: Request, reason: str) -> bool:
+        r.emit("done", {"finish_reason": reason, "prompt_tokens": len(r.prompt), "completion_tokens": r.sampled})
+        r.cache = None
+        return True
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (``[B, ..., S]`` for masks, ``[B, H, S, D]`` for keys/values) left-padded with zeros to ``width``."""
+    dim = 1 if t.dim() == 2 else 2
+    s = t.shape[dim]
+    if s == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width - s
+    return torch.cat([t.new_zeros(shape), t], dim)
