@@ -35,6 +35,22 @@ def vendor_dir() -> Path | None:
     return hits[-1] if hits else None
 
 
+def build_flags(exe: Path) -> str:
+    """The ISA switches a llama.cpp build was configured with (its CMakeCache), to name the build behind a number."""
+    cache = Path(exe).resolve().parent.parent / "CMakeCache.txt"
+    if not cache.exists():
+        return "unknown"
+    keys = ("GGML_NATIVE", "GGML_AVX2", "GGML_AVX512", "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AMX_INT8",
+            "GGML_AMX_BF16")
+    got = {}
+    for line in cache.read_text().splitlines():
+        name, _, value = line.partition("=")
+        name = name.split(":")[0]
+        if name in keys:
+            got[name] = value
+    return ", ".join(f"{k.removeprefix('GGML_')}={got[k]}" for k in keys if k in got)
+
+
 def find_tool(name: str, given: str | None = None, build: str = "build") -> Path | None:
     if given:
         return Path(given)

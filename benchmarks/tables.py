@@ -96,9 +96,27 @@ def gpu(name: str = "gpu.json") -> str:
     return "\n".join(lines)
 
 
+def serve(name: str = "serve.json") -> str:
+    """``moeq serve`` vs ``llama-server``: best round per concurrency, the median round's tok/s in brackets."""
+    d = json.loads((RESULTS / name).read_text())
+    cpu = d["cpu"]["model"]
+    lines = [f"{d['threads']} threads, {cpu} (llama-server build: {d['llama_build']}; `benchmarks/results/{name}`); "
+             f"{d['weights']}, {d['layers']}-layer Qwen3-30B-A3B shapes; {d['prompt_tokens']} tokens in, "
+             f"{d['new_tokens']} out per request, streamed, greedy:", "",
+             "| clients | llama-server / moeq tok/s (median) | TTFT p50 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|"]
+    for n in d["best"]["moeq"]:
+        lb, mb = d["best"]["llama-server"][n], d["best"]["moeq"][n]
+        lm, mm = d["median"]["llama-server"][n], d["median"]["moeq"][n]
+        lines.append(f"| {n} | {lb['tok_s']:.1f} / {mb['tok_s']:.1f} ({mb['tok_s'] / lb['tok_s']:.2f}x) "
+                     f"[{mm['tok_s'] / lm['tok_s']:.2f}x] | {lb['ttft_p50_ms']:.0f} / {mb['ttft_p50_ms']:.0f} | "
+                     f"{lb['itl_p50_ms']:.1f} / {mb['itl_p50_ms']:.1f} | {lb['itl_p99_ms']:.1f} / "
+                     f"{mb['itl_p99_ms']:.1f} |")
+    return "\n".join(lines)
+
+
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
-          "accuracy": accuracy, "exports": exports, "gpu": gpu}
+          "accuracy": accuracy, "exports": exports, "gpu": gpu, "serve": serve}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

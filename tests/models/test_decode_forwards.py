@@ -169,3 +169,25 @@ def test_fused_layers_batches_beyond_the_moe_kernel(tiny_ckpt):
     fast = m.generate(ids, **kw)
     _own(m)
     assert torch.equal(fast, m.generate(ids, **kw))
+
+
+def test_decode_step_builds_no_row_major_copies(tiny_ckpt, monkeypatch):
+    """A decode step through the model's forward reads the il16 decode layout as held: nothing permutes a weight
+    back to row-major per step (asking ``hasattr(linear, "qweight")`` once did, costing a third of each step)."""
+    from transformers import DynamicCache
+
+    from moeq.nn import packed
+
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
+    held = [mod for mod in m.modules() if packed.holds(mod, "weight") and packed.is_il16(mod, "weight")]
+    assert held  # the tiny model's projections are in the il16 layout
+    calls = []
+    real = packed.from_il16
+    monkeypatch.setattr(packed, "from_il16", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        cache = DynamicCache(config=m.config)
+        m(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+        calls.clear()
+        for i in range(3):
+            m(input_ids=torch.tensor([[8 + i]]), position_ids=torch.tensor([[3 + i]]), cache=cache, use_cache=True)
+    assert calls == []

@@ -53,11 +53,13 @@ def test_models_health_metrics_page(server):
 def test_chat_streamed_equals_whole_with_usage(server):
     c = client(server)
     whole = chat(c, "Tell me about the sea", max_tokens=12, temperature=0)
+    assert whole.choices[0].finish_reason in ("length", "stop")
+    whole = chat(c, "Tell me about the sea", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12 and whole.usage.prompt_tokens > 5
     parts, usage, finish = [], None, None
     for ev in chat(c, "Tell me about the sea", max_tokens=12, temperature=0, stream=True,
-                   stream_options={"include_usage": True}):
+                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
         if ev.choices:
             parts.append(ev.choices[0].delta.content or "")
             finish = ev.choices[0].finish_reason or finish

@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq import native
 from moeq.errors import MoeqError
-from moeq.nn import attention, bf12
+from moeq.nn import attention, bf12, packed
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 64
@@ -313,7 +313,7 @@ def layer_plan(mod: nn.Module):
 
     attn, mlp = mod.self_attn, mod.mlp
     projs = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    plans = [native_plans.linear_plan(p) if hasattr(p, "qweight") else None for p in projs]  # biases: bf16
+    plans = [native_plans.linear_plan(p) if packed.holds(p, "weight") else None for p in projs]  # biases: bf16
     experts = (native_plans.experts_plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native"
                else None)
     if None in plans or experts is None:

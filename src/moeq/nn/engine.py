@@ -23,7 +23,7 @@ from torch import nn
 
 from moeq import native
 from moeq.errors import MoeqError
-from moeq.nn import bf12, decode, finite
+from moeq.nn import bf12, decode, finite, packed
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 4  # the native bf16 head's rows (decode.HEAD_MAX_ROWS); quantized heads allow what their plan allows
@@ -74,7 +74,7 @@ class Engine:
         if getattr(head.__dict__.get("forward"), "__func__", None) is decode.HeadForward.forward:
             ok = head.bias is None and batch <= decode.HEAD_MAX_ROWS and head.in_features % 32 == 0
             return (head.weight, None) if ok else None
-        if hasattr(head, "qweight") and head.bias is None:
+        if packed.holds(head, "weight") and head.bias is None:
             plan = plans.linear_plan(head)
             if plan is None or batch > plan.max_rows:
                 return None
@@ -291,7 +291,7 @@ def install(model: nn.Module) -> bool:
 
     eng = Engine(model, parts)
     head = parts[4]
-    if hasattr(head, "qweight"):  # the head's decode copy by 16 rows (its forward and the step share the plan)
+    if packed.holds(head, "weight"):  # the head's decode copy by 16 rows (its forward and the step share the plan)
         plans.set_rows16(head, True)
     try:
         ok = _probe(model, eng)

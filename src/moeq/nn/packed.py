@@ -44,6 +44,12 @@ def get_packed(module: nn.Module, slot: str, raw: bool = False) -> PackedWeight:
     return cls.from_parts(tensors, meta)
 
 
+def holds(module: nn.Module, slot: str) -> bool:
+    """Whether ``module`` holds a packed weight in ``slot`` — without building it (``hasattr(m, "qweight")`` on a
+    QuantLinear would permute an il16 weight back into new tensors just to answer)."""
+    return slot in module.__dict__.get("_packed_meta", {})
+
+
 def packed_meta(module: nn.Module) -> dict[str, dict]:
     """``{slot: {"format": ..., **meta}}`` of a module holding packed weights (a copy; empty for other modules)."""
     return {slot: dict(meta) for slot, meta in getattr(module, "_packed_meta", {}).items()}

@@ -165,7 +165,7 @@ def create_app(state: State) -> FastAPI:
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             job = Job(prompt=prompt, max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                      seed=p.seed, stop=p.stop,
+                      seed=p.seed, stop=p.stop, ignore_eos=p.ignore_eos,
                       emit=lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload)))
             if not sched.submit(job):
                 raise ApiError(429, f"too many requests: {state.max_queue} already waiting", kind="rate_limit_error",
@@ -252,7 +252,7 @@ async def _stream(job: Job, events: asyncio.Queue, rid: str, p: Params, chat: bo
         while True:
             kind, payload = await events.get()
             if kind == "text":
-                yield chunk(payload)
+                yield chunk(payload)  # one chunk per token, its text possibly empty
             elif kind == "error":
                 yield f"data: {json.dumps(ApiError(500, payload, kind='server_error').body())}\n\n"
                 break

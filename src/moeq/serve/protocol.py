@@ -15,7 +15,8 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 DEFAULT_ONLY = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": None,
                 "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "echo": False,
                 "best_of": 1, "suffix": None, "functions": None, "function_call": None}
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream"}
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+          "ignore_eos"}  # top_k and ignore_eos: the extensions llama.cpp's server and vLLM take
 
 
 class ApiError(Exception):
@@ -58,6 +59,7 @@ class Params:
     seed: int | None
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
     messages: list[dict] | None = None
     prompt: str | None = None
 
@@ -107,6 +109,10 @@ def parse_params(data: dict, chat: bool) -> Params:
                top_k=int(_number(data, "top_k", 0, 1 << 20, 0, integer=True)),
                stop=tuple(stop), seed=_number(data, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True),
                stream=stream, include_usage=include_usage)
+    ignore_eos = data.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+    p.ignore_eos = ignore_eos
     if p.top_p == 0:
         p.temperature = 0.0  # nothing survives a zero nucleus but the top token
     if chat:

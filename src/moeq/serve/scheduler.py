@@ -40,6 +40,7 @@ class Request:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever is sampled (benchmarks)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     # scheduler state
     generated: list[int] = dataclasses.field(default_factory=list)
@@ -291,7 +292,7 @@ class Scheduler:
         """Record a sampled token, emit the text it completes; True when the request is finished."""
         self.stats["tokens"] += 1
         r.sampled += 1
-        if token in self.stop_ids:
+        if token in self.stop_ids and not r.ignore_eos:
             return self._finish(r, "stop")
         r.generated.append(token)
         text = self.tok.decode(r.generated, skip_special_tokens=True)
@@ -306,9 +307,10 @@ class Scheduler:
         ready = len(text) - hold
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
             ready = min(ready, len(text) - 1)
-        if ready > r.sent:
-            r.emit("text", text[r.sent:ready])
-            r.sent = ready
+        # one event per token, its visible text possibly empty (held back, or a token that decodes to nothing): a
+        # streaming client sees every token arrive, as from llama.cpp's server and OpenAI's
+        r.emit("text", text[r.sent:ready] if ready > r.sent else "")
+        r.sent = max(r.sent, ready)
         total = len(r.prompt) + len(r.generated)
         if len(r.generated) >= r.max_tokens or (self.context is not None and total >= self.context):
             if len(text) > r.sent:
