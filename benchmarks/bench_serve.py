@@ -4,7 +4,8 @@ The ``moeq bench`` model (Qwen3-30B-A3B layer shapes, random bf16, ``--layers`` 
 both ways losslessly (moeq's ``q4_0`` saved folder; the GGUF moeq exports from it, which llama-server reads). For
 each system in turn (alternating over ``--rounds``): start its server on loopback with the same thread count, warm it
 up, then for each concurrency N (1/4/8/16) N clients each send ``--requests`` streamed completions of
-``--prompt-tokens`` tokens in and ``--new-tokens`` out (``ignore_eos``, greedy). Per N: aggregate generated tok/s over
+``--prompt-tokens`` tokens in and ``--new-tokens`` out (``ignore_eos``, greedy; llama-server's prompt cache off, so
+every request prefills its prompt as moeq's does). Per N: aggregate generated tok/s over
 the wall time, p50/p99 time to first token, p50/p99 inter-token latency (a request's (last - first token) /
 (tokens - 1)). Best round per cell, the median in the JSON too.
 
@@ -67,12 +68,14 @@ def prepare(layers: int) -> tuple[Path, Path]:
 class Running:
     def __init__(self, cmd: list[str], url: str, env: dict | None = None):
         self.url = url
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        self.log = open(CACHE / f"serve-{Path(cmd[0]).name}.log", "w+")  # read on failure (a pipe could fill up)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 600
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{cmd[0]} exited: {self.log.read()[-2000:]}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     return
@@ -101,9 +104,9 @@ def start(system: str, folder: Path, gguf: Path, threads: int, slots: int, ctx: 
                     "-np", str(slots), "-c", str(ctx * slots), "--no-webui", "-a", "m"], url)
 
 
-async def one(client, url: str, prompt: str, new: int) -> dict:
+async def one(client, url: str, prompt: str, new: int, extra: dict) -> dict:
     body = {"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
     first = last = None
     chunks, tokens = 0, None
@@ -126,11 +129,11 @@ async def one(client, url: str, prompt: str, new: int) -> dict:
     return {"ttft": first - t0, "itl": (last - first) / max(tokens - 1, 1), "tokens": tokens}
 
 
-async def load(url: str, clients: int, requests: int, prompt: str, new: int) -> dict:
+async def load(url: str, clients: int, requests: int, prompt: str, new: int, extra: dict) -> dict:
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         async def user():
-            return [await one(client, url, prompt, new) for _ in range(requests)]
+            return [await one(client, url, prompt, new, extra) for _ in range(requests)]
         t0 = time.perf_counter()
         done = await asyncio.gather(*[user() for _ in range(clients)])
         wall = time.perf_counter() - t0
@@ -175,11 +178,13 @@ def main() -> None:
         order = ("llama-server", "moeq") if rnd % 2 == 0 else ("moeq", "llama-server")
         for system in order:
             srv = start(system, folder, gguf, args.threads, slots, ctx, exe)
+            # every request prefills its prompt: llama-server would otherwise reuse the KV of the same prompt
+            extra = {"cache_prompt": False} if system == "llama-server" else {}
             try:
-                asyncio.run(load(srv.url, 1, 1, prompt, 8))  # warm-up
+                asyncio.run(load(srv.url, 1, 1, prompt, 8, extra))  # warm-up
                 for n in args.clients:
                     row = {"round": rnd, "system": system, **asyncio.run(load(srv.url, n, args.requests, prompt,
-                                                                              args.new_tokens))}
+                                                                              args.new_tokens, extra))}
                     rounds.append(row)
                     print(json.dumps(row), flush=True)
             finally:

@@ -99,7 +99,9 @@ def gpu(name: str = "gpu.json") -> str:
 def serve(name: str = "serve.json") -> str:
     """``moeq serve`` vs ``llama-server``: best round per concurrency, the median round's tok/s in brackets."""
     d = json.loads((RESULTS / name).read_text())
-    cpu = d["cpu"]["model"]
+    flags = d["cpu"].get("flags", [])
+    cpu = d["cpu"]["model"] + (" with AMX" if "amx_tile" in flags else "") + (
+        ", AVX512-BF16" if "avx512_bf16" in flags else "")
     lines = [f"{d['threads']} threads, {cpu} (llama-server build: {d['llama_build']}; `benchmarks/results/{name}`); "
              f"{d['weights']}, {d['layers']}-layer Qwen3-30B-A3B shapes; {d['prompt_tokens']} tokens in, "
              f"{d['new_tokens']} out per request, streamed, greedy:", "",
