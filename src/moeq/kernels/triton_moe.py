@@ -317,6 +317,7 @@ CONFIGS = {
     "gemv": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2, "per_group": False},
     "gemm": {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3},
 }
+INTERPRETER = {"block_n": 64, "block_k": 64}  # CPU tensors (TRITON_INTERPRET=1): fewer, smaller programs, faster tests
 GEMV_MAX_PAIRS = 128  # up to 16 tokens at top-8: the GEMV was faster at every size measured up to there (H200)
 LINEAR_GEMV_MAX_ROWS = 4  # a dense linear's rows all read the same weight: few rows only
 
@@ -349,6 +350,10 @@ def align_pairs(expert_of_pair: torch.Tensor, experts: int, block_m: int) -> tup
     return sorted_ids, expert_ids
 
 
+def _for_device(a: torch.Tensor, cfg: dict) -> dict:
+    return {**cfg, **INTERPRETER} if a.device.type == "cpu" else cfg
+
+
 def _launch(a: torch.Tensor, cfg: dict) -> dict:
     if a.device.type == "cpu":
         return {}
@@ -367,7 +372,7 @@ def grouped_gemm(a: torch.Tensor, w: KernelWeight, sorted_ids: torch.Tensor, exp
                  act: int = ACT_NONE, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  config: dict | None = None) -> torch.Tensor:
     """``[n_pairs, N']`` where ``N' = I`` with a fused activation (``w`` then holds gate and up rows), else ``N``."""
-    cfg = config or CONFIGS["gemm"]
+    cfg = _for_device(a, config or CONFIGS["gemm"])
     a = a.contiguous()
     n = w.n // 2 if act != ACT_NONE else w.n
     out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
@@ -390,7 +395,7 @@ def pair_gemv(a: torch.Tensor, w: KernelWeight, expert_of_pair: torch.Tensor, n_
               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
               config: dict | None = None) -> torch.Tensor:
     """:func:`grouped_gemm`'s result for decode-sized batches, pair by pair (``expert_of_pair``: int ``[n_pairs]``)."""
-    cfg = config or CONFIGS["gemv"]
+    cfg = _for_device(a, config or CONFIGS["gemv"])
     a = a.contiguous()
     n = w.n // 2 if act != ACT_NONE else w.n
     out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
