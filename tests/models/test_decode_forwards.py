@@ -191,3 +191,23 @@ def test_decode_step_builds_no_row_major_copies(tiny_ckpt, monkeypatch):
         for i in range(3):
             m(input_ids=torch.tensor([[8 + i]]), position_ids=torch.tensor([[3 + i]]), cache=cache, use_cache=True)
     assert calls == []
+
+
+def test_head_for_batches_keeps_the_weights(tiny_ckpt):
+    """The serving choice for batches: a bf12 head held as bf16 again — the same weights exactly, the same logits up
+    to summation order, at every row count."""
+    from moeq.nn import bf12, decode
+
+    m = moeq.load(tiny_ckpt("qwen3_moe", hidden_size=128), quant="rtn-int4", progress=False)
+    head = m.get_output_embeddings()
+    assert isinstance(head, bf12.Bf12Linear)
+    want = head.unpack()
+    ids = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = m(ids).logits.float()
+        assert decode.head_for_batches(m)
+        after = m(ids).logits.float()
+    new = m.get_output_embeddings()
+    assert type(new) is torch.nn.Linear and torch.equal(new.weight, want)
+    assert (before - after).abs().max() <= 2 ** -7 * before.abs().max()
+    assert not decode.head_for_batches(m)  # already plain

@@ -111,7 +111,8 @@ class HeadForward:
 
     @staticmethod
     def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // mod.in_features <= HEAD_MAX_ROWS:
+        rows = x.numel() // mod.in_features
+        if rows <= HEAD_MAX_ROWS and (rows == 1 or not native.has_amx()):  # AMX: oneDNN's GEMM wins from 2 rows
             y = bf16_linear(x, mod.weight)
             if y is not None:
                 return y
@@ -127,6 +128,21 @@ def _head_close(got: torch.Tensor | None, ref: torch.Tensor) -> bool:
     return bool(((g - r).abs() <= tol).all())
 
 
+def head_for_batches(model: nn.Module) -> bool:
+    """Hold a bf12 head as plain bf16 again (the native gemv up to :data:`HEAD_MAX_ROWS` rows, torch's GEMM beyond):
+    for batched decode, where bf12's forward past :data:`~moeq.nn.bf12.MAX_ROWS` rows unpacks blocks for a GEMM
+    (68 vs 32 ms at 8 rows for a 151936 x 2048 head, 2 threads, Intel SPR) at the cost of 1/3 more head bytes at one
+    row. Returns whether it changed the head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, bf12.Bf12Linear) or not hasattr(model, "set_output_embeddings"):
+        return False
+    plain = nn.Linear(head.in_features, head.out_features, bias=False, dtype=torch.bfloat16, device="meta")
+    plain.weight = nn.Parameter(head.unpack(), requires_grad=False)
+    model.set_output_embeddings(plain)
+    try_head(model, compact=False)
+    return True
+
+
 def _untied(model: nn.Module, head: nn.Linear) -> bool:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     cfg = getattr(model, "config", None)
@@ -136,9 +152,10 @@ def _untied(model: nn.Module, head: nn.Linear) -> bool:
     return not getattr(cfg, "tie_word_embeddings", False) and not shared
 
 
-def try_head(model: nn.Module) -> bool:
+def try_head(model: nn.Module, compact: bool = True) -> bool:
     """The bf16 head's native forward: held in bf12 (:class:`~moeq.nn.bf12.Bf12Linear`, 3/4 of the bytes, the same
-    weights) when it is untied from the embeddings and ``K % 128 == 0``, else the bf16 gemv on its own weight."""
+    weights) when ``compact``, it is untied from the embeddings and ``K % 128 == 0``, else the bf16 gemv on its own
+    weight."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (type(head) is not nn.Linear or head.bias is not None or "forward" in head.__dict__
             or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu"
@@ -147,7 +164,8 @@ def try_head(model: nn.Module) -> bool:
     x = _probe(head.in_features, rows=HEAD_MAX_ROWS)
     with torch.no_grad():
         ref = nn.functional.linear(x, head.weight)
-        if head.in_features % bf12.UNIT == 0 and _untied(model, head) and hasattr(model, "set_output_embeddings"):
+        if (compact and head.in_features % bf12.UNIT == 0 and _untied(model, head)
+                and hasattr(model, "set_output_embeddings")):
             packed = bf12.Bf12Linear.from_linear(head, max_fraction=0.8)  # None: outliers, too many exceptions
             if packed is not None and _head_close(packed(x), ref):
                 model.set_output_embeddings(packed)

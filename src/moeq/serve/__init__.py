@@ -12,13 +12,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def loader(model: str, quant=None, dtype=None, device="cpu", context: int | None = None):
-    """A function loading ``model`` (anything ``moeq.load`` takes) with its tokenizer, stop ids and context."""
+def loader(model: str, quant=None, dtype=None, device="cpu", context: int | None = None, batch: int = 1):
+    """A function loading ``model`` (anything ``moeq.load`` takes) with its tokenizer, stop ids and context; for
+    batches past the bf12 head's native rows, the head is held as bf16 (``moeq.nn.decode.head_for_batches``)."""
     def load():
         import moeq  # noqa: PLC0415
         from moeq.generation import context_length, load_tokenizer, stop_ids  # noqa: PLC0415
+        from moeq.nn import bf12, decode  # noqa: PLC0415
 
         m = moeq.load(model, quant=quant, dtype=dtype, progress=False, device=device)
+        if batch > bf12.MAX_ROWS and decode.head_for_batches(m):
+            log.info("head held as bf16 for batches of up to %d rows", batch)
         tok = load_tokenizer(model)
         ctx = context_length(m)
         if context is not None:
@@ -32,7 +36,8 @@ def create_app(model: str, quant=None, dtype=None, device="cpu", name: str | Non
                chunk: int = 256):
     from moeq.serve.app import State, create_app as build  # noqa: PLC0415
 
-    state = State(name or Path(model).name, loader(model, quant, dtype, device, context), api_key, max_concurrency,
+    state = State(name or Path(model).name, loader(model, quant, dtype, device, context, max_concurrency), api_key,
+                  max_concurrency,
                   4 * max_concurrency if max_queue is None else max_queue, chunk)
     return build(state)
 
