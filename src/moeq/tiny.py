@@ -139,12 +139,10 @@ def make_fp8_checkpoint(model_type: str, out: str | os.PathLike, block: tuple[in
     return to_fp8(out, out, block)
 
 
-def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int] | None = (128, 128)) -> Path:
-    """Write ``src`` (a bf16 checkpoint folder; ``out`` may be the same folder) in the FP8 block-scaled layout: every
-    linear weight of the decoder layers (experts included; not the embeddings, head, norms or routers) as ``weight``
-    F8_E4M3 + ``weight_scale_inv`` F32 (:func:`fp8_block_quantize`; ``block=None``: one scale per tensor), shard by
-    shard, and ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": block,
-    "activation_scheme": "dynamic"}``."""
+def rewrite(src: str | os.PathLike, out: str | os.PathLike, convert, quantization_config: dict) -> Path:
+    """Write ``src`` (a checkpoint folder; ``out`` may be the same folder) shard by shard with each tensor replaced by
+    ``convert(key, tensor)`` (a dict of the tensors written in its place), the index's weight map following, and
+    ``quantization_config`` in its config.json: the one loop of the pre-quantized fixtures."""
     import json  # noqa: PLC0415
     import shutil  # noqa: PLC0415
 
@@ -152,9 +150,7 @@ def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int
 
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    def fp8(key: str, t: torch.Tensor) -> bool:  # linear weights, and transformers' fused expert stacks
-        return (t.ndim >= 2 and key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj"))
-                and not any(s in key for s in FP8_SKIP))
+    renamed: dict[str, list[str]] = {}
     for f in sorted(src.iterdir()):
         if f.suffix != ".safetensors":
             if f.is_file() and src != out:
@@ -162,29 +158,43 @@ def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int
             continue
         new = {}
         for key, t in load_file(str(f)).items():
-            if not fp8(key, t):
-                new[key] = t
-            elif block is None:
-                scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
-                new[key] = (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-                new[key + "_scale_inv"] = (1.0 / scale).reshape(())
-            else:
-                new[key], new[key + "_scale_inv"] = fp8_block_quantize(t, block)
+            parts = convert(key, t)
+            new.update({k: v.contiguous() for k, v in parts.items()})
+            if list(parts) != [key]:
+                renamed[key] = list(parts)
         save_file(new, str(out / f.name), metadata={"format": "pt"})
         del new
     idx = out / "model.safetensors.index.json"
     if idx.exists():
         index = json.loads(idx.read_text())
-        for key, fname in list(index["weight_map"].items()):
-            if key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj")) and not any(
-                    s in key for s in FP8_SKIP):
-                index["weight_map"][key + "_scale_inv"] = fname
+        for key, parts in renamed.items():
+            fname = index["weight_map"].pop(key)
+            index["weight_map"].update({p: fname for p in parts})
         idx.write_text(json.dumps(index, indent=1))
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": None if block is None else list(block)}
+    cfg["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int] | None = (128, 128)) -> Path:
+    """Write ``src`` (a bf16 checkpoint folder; ``out`` may be the same folder) in the FP8 block-scaled layout: every
+    linear weight of the decoder layers (experts included; not the embeddings, head, norms or routers) as ``weight``
+    F8_E4M3 + ``weight_scale_inv`` F32 (:func:`fp8_block_quantize`; ``block=None``: one scale per tensor), shard by
+    shard, and ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": block,
+    "activation_scheme": "dynamic"}``."""
+    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if (t.ndim < 2 or not key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj"))
+                or any(s in key for s in FP8_SKIP)):  # linear weights, and transformers' fused expert stacks
+            return {key: t}
+        if block is None:
+            scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
+            return {key: (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn),
+                    key + "_scale_inv": (1.0 / scale).reshape(())}
+        q, s = fp8_block_quantize(t, block)
+        return {key: q, key + "_scale_inv": s}
+    return rewrite(src, out, convert, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                       "weight_block_size": None if block is None else list(block)})
 
 
 def make_mxfp4_checkpoint(out: str | os.PathLike, **kw) -> Path:
@@ -283,51 +293,24 @@ def to_gptq(src: str | os.PathLike, out: str | os.PathLike, kind: str = "gptq", 
     decoder layers (experts included; not the embeddings, head, norms or routers) as ``qweight``/``qzeros``/
     ``scales`` (+ GPTQ's ``g_idx``; ``act_order``: inputs assigned to groups through a seeded permutation, as
     ``desc_act`` does), with the matching ``quantization_config``."""
-    import json  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-
-    from safetensors.torch import load_file, save_file  # noqa: PLC0415
-
-    src, out = Path(src), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    written: dict[str, list[str]] = {}
-    for f in sorted(src.iterdir()):
-        if f.suffix != ".safetensors":
-            if f.is_file() and src != out:
-                shutil.copy2(f, out / f.name)
-            continue
-        new = {}
-        for key, t in load_file(str(f)).items():
-            if t.ndim != 2 or not key.endswith(".weight") or any(s in key for s in FP8_SKIP):
-                new[key] = t
-                continue
-            n, k = t.shape
-            gs = k if group_size == -1 else group_size
-            g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // gs) if act_order else torch.arange(k) // gs
-            q, zeros, scales = int_quantize(t, bits, group_size, sym, g_idx)
-            prefix = key[: -len("weight")]
-            if kind == "awq":
-                new[prefix + "qweight"], new[prefix + "qzeros"] = pack_awq(q, zeros)
-            else:
-                new[prefix + "qweight"], new[prefix + "qzeros"] = pack_gptq(q, zeros, bits, v1)
-                new[prefix + "g_idx"] = g_idx.to(torch.int32)
-            new[prefix + "scales"] = scales
-            written[key] = [k2 for k2 in new if k2.startswith(prefix) and not k2.endswith("bias")]
-        save_file(new, str(out / f.name), metadata={"format": "pt"})
-    idx = out / "model.safetensors.index.json"
-    if idx.exists():
-        index = json.loads(idx.read_text())
-        for key, parts in written.items():
-            fname = index["weight_map"].pop(key)
-            index["weight_map"].update({p: fname for p in parts})
-        idx.write_text(json.dumps(index, indent=1))
-    cfg = json.loads((out / "config.json").read_text())
+
+    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if t.ndim != 2 or not key.endswith(".weight") or any(s in key for s in FP8_SKIP):
+            return {key: t}
+        n, k = t.shape
+        gs = k if group_size == -1 else group_size
+        g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // gs) if act_order else torch.arange(k) // gs
+        q, zeros, scales = int_quantize(t, bits, group_size, sym, g_idx)
+        p = key[: -len("weight")]
+        if kind == "awq":
+            qweight, qzeros = pack_awq(q, zeros)
+            return {p + "qweight": qweight, p + "qzeros": qzeros, p + "scales": scales}
+        qweight, qzeros = pack_gptq(q, zeros, bits, v1)
+        return {p + "qweight": qweight, p + "qzeros": qzeros, p + "scales": scales, p + "g_idx": g_idx.to(torch.int32)}
     if kind == "awq":
-        cfg["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group_size,
-                                      "zero_point": True, "version": "gemm"}
+        qc = {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
     else:
-        cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
-                                      "desc_act": act_order, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": act_order,
+              "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    return rewrite(src, out, convert, qc)

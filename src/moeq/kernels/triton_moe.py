@@ -367,24 +367,36 @@ def _block_k(a: torch.Tensor, w: KernelWeight, cfg: dict) -> int:
     return max(32, min(bk, triton.next_power_of_2(w.k)))
 
 
+def _output(a: torch.Tensor, w: KernelWeight, n_pairs: int, act: int, out_dtype):
+    """(contiguous activations, output width, the output): ``N' = I`` with a fused activation, else ``N``."""
+    n = w.n // 2 if act != ACT_NONE else w.n
+    return a.contiguous(), n, torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+
+
+def _weight_args(w: KernelWeight, bias: torch.Tensor | None) -> tuple:
+    """The weight's pointers as the kernels take them; absent ones are the scale tensor (never read: the kernel's
+    flags say which are present)."""
+    dummy = w.scale
+    return (w.q, w.scale, dummy if w.zero is None else w.zero, dummy if w.lut is None else w.lut,
+            dummy if bias is None else bias)
+
+
 def grouped_gemm(a: torch.Tensor, w: KernelWeight, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, n_pairs: int,
                  block_m: int, top_k: int = 1, a_by_pair: bool = False, weights: torch.Tensor | None = None,
                  act: int = ACT_NONE, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  config: dict | None = None) -> torch.Tensor:
     """``[n_pairs, N']`` where ``N' = I`` with a fused activation (``w`` then holds gate and up rows), else ``N``."""
     cfg = _for_device(a, config or CONFIGS["gemm"])
-    a = a.contiguous()
-    n = w.n // 2 if act != ACT_NONE else w.n
-    out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+    a, n, out = _output(a, w, n_pairs, act, out_dtype)
     if n_pairs == 0:
         return out
-    dummy = w.scale
     grid = (expert_ids.numel(), triton.cdiv(n, cfg["block_n"]))
+    has_bias = bias is not None
+    q, scale, zero, lut, bias = _weight_args(w, bias)
     _grouped_gemm[grid](
-        a, out, w.q, w.scale, w.zero if w.zero is not None else dummy, w.lut if w.lut is not None else dummy,
-        bias if bias is not None else dummy, sorted_ids, expert_ids, weights if weights is not None else dummy,
+        a, out, q, scale, zero, lut, bias, sorted_ids, expert_ids, weights if weights is not None else scale,
         n_pairs, n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
-        TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
+        TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=has_bias,
         QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=_block_k(a, w, cfg), **_launch(a, cfg))
     return out
@@ -396,19 +408,17 @@ def pair_gemv(a: torch.Tensor, w: KernelWeight, expert_of_pair: torch.Tensor, n_
               config: dict | None = None) -> torch.Tensor:
     """:func:`grouped_gemm`'s result for decode-sized batches, pair by pair (``expert_of_pair``: int ``[n_pairs]``)."""
     cfg = _for_device(a, config or CONFIGS["gemv"])
-    a = a.contiguous()
-    n = w.n // 2 if act != ACT_NONE else w.n
-    out = torch.empty(n_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+    a, n, out = _output(a, w, n_pairs, act, out_dtype)
     if n_pairs == 0:
         return out
-    dummy = w.scale
     block_k = _block_k(a, w, cfg)
     grid = (n_pairs, triton.cdiv(n, cfg["block_n"]))
+    has_bias = bias is not None
+    q, scale, zero, lut, bias = _weight_args(w, bias)
     _pair_gemv[grid](
-        a, out, w.q, w.scale, w.zero if w.zero is not None else dummy, w.lut if w.lut is not None else dummy,
-        bias if bias is not None else dummy, expert_of_pair, weights if weights is not None else dummy,
+        a, out, q, scale, zero, lut, bias, expert_of_pair, weights if weights is not None else scale,
         n, w.k, w.scale.shape[-1], a.stride(0), out.stride(0),
-        TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=bias is not None,
+        TOP_K=top_k, A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None, ACT=act, HAS_BIAS=has_bias,
         QKIND=w.qkind, GROUP=w.group, HAS_ZERO=w.zero is not None,
         TILE_G=tile_group(w.group, w.k, block_k) if cfg.get("per_group", True) else 0,
         BLOCK_N=cfg["block_n"], BLOCK_K=block_k, **_launch(a, cfg))
