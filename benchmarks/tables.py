@@ -118,6 +118,7 @@ def serve(name: str = "serve.json") -> str:
 
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
+          "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
           "accuracy": accuracy, "exports": exports, "gpu": gpu, "serve": serve}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
