@@ -248,13 +248,7 @@ class LoadState:
             return
         mod_name, _, attr = name.rpartition(".")
         if mod_name in self.linears and attr == "weight":
-            lin = self.model.get_submodule(mod_name)
-            if tuple(lin.weight.shape) != tuple(self.ckpt.tensors[key].shape):
-                raise MoeqError(f"{key}: shape {list(self.ckpt.tensors[key].shape)} does not match the config "
-                                f"(expected {list(lin.weight.shape)})")
-            w = read_float(self.ckpt, key).to(lin.weight.dtype)
-            bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
-            set_module(self.model, mod_name, quantize_linear(mod_name, w, bias, self.linears.pop(mod_name)))
+            self._quantize_linear(mod_name, key, self.ckpt.tensors[key].shape, lambda: read_float(self.ckpt, key))
             return
         if mod_name in self.linears and attr == "bias":
             lin = self.model.get_submodule(mod_name)
@@ -269,6 +263,15 @@ class LoadState:
             self.pending_bias[mod_name] = b.to(lin.weight.dtype)
             return
         set_or_note_unused(self.model, name, self.ckpt.read(key), key, self.unused)
+
+    def _quantize_linear(self, mod_name: str, key: str, shape, weight) -> None:
+        """A planned linear's weight (``weight()`` reads it once its shape checked), quantized by its plan."""
+        lin = self.model.get_submodule(mod_name)
+        if tuple(lin.weight.shape) != tuple(shape):
+            raise MoeqError(f"{key}: shape {list(shape)} does not match the config (expected {list(lin.weight.shape)})")
+        bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
+        set_module(self.model, mod_name, quantize_linear(mod_name, weight().to(lin.weight.dtype), bias,
+                                                         self.linears.pop(mod_name)))
 
     def put_packed(self, head: str, q: PackedWeight) -> None:
         """An already-quantized weight (a pre-quantized checkpoint's): an expert slice, a quantized Linear, or — when
@@ -308,13 +311,7 @@ class LoadState:
             return
         mod_name = name[: -len(".weight")]
         if mod_name in self.linears:
-            lin = self.model.get_submodule(mod_name)
-            if tuple(w.shape) != tuple(lin.weight.shape):
-                raise MoeqError(f"{head}: shape {list(w.shape)} does not match the config (expected "
-                                f"{list(lin.weight.shape)})")
-            bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
-            set_module(self.model, mod_name, quantize_linear(mod_name, w.to(lin.weight.dtype), bias,
-                                                             self.linears.pop(mod_name)))
+            self._quantize_linear(mod_name, head, w.shape, lambda: w)
             return
         set_tensor(self.model, name, w.to(self.dtype), head)
 

@@ -49,7 +49,6 @@ class Request:
     cache: object = None  # own KV cache while the prompt runs (and, row by row, after)
     done_prompt: int = 0
     generator: torch.Generator | None = None
-    started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class Scheduler:
