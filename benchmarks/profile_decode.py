@@ -19,6 +19,7 @@ import torch
 
 import moeq
 from moeq import bench, native
+from moeq.nn import engine
 from moeq.io.writer import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def main() -> None:
                             args.layers)
     model = moeq.load(src, quant=_qconfig(args.method), progress=False)
     moeq.set_activations(model, args.activations)
-    eng = model._moeq_engine
+    eng = engine.engine_of(model)
     S = 64
     B = args.batch
     m, keep, caches, state = eng.describe(B, S + args.steps + 2, S + args.steps + 2)

@@ -75,3 +75,32 @@ def test_bottom_layers_import_nothing_above_them():
             assert targets <= allowed[m], (m, targets)
         if m.startswith("moeq.formats"):
             assert all(t.startswith(("moeq.formats", "moeq.native", "moeq.errors")) for t in targets), (m, targets)
+
+
+TORCH_INTERNALS = {"_buffers", "_parameters", "_forward_hooks", "_forward_pre_hooks", "_apply", "_fields",
+                   "_register_load_state_dict_pre_hook", "_register_state_dict_hook"}
+
+
+def test_private_attributes_stay_with_their_owner():
+    """A private attribute of another object (``obj._x``, not on ``self``/``cls``/``super()``) is read only in the
+    file that sets it, or is one of torch's module internals; and moeq stores no ad-hoc ``_moeq*`` state on other
+    libraries' modules (its state lives in its own objects: installed forwards, its modules' plan slots)."""
+    bad = []
+    for f in SRC.rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        owned = {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                 for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(t, ast.Attribute)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_moeq"):
+                bad.append((f.name, node.value))
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            v = node.value
+            if node.attr.startswith("_moeq"):
+                bad.append((f.name, ast.unparse(node)))
+            elif not ((isinstance(v, ast.Name) and v.id in ("self", "cls"))
+                      or (isinstance(v, ast.Call) and ast.unparse(v.func) == "super")
+                      or node.attr in owned or node.attr in TORCH_INTERNALS):
+                bad.append((f.name, ast.unparse(node)))
+    assert bad == []

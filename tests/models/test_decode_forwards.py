@@ -93,7 +93,7 @@ def test_copies_and_pickles_rebind(tiny_ckpt):
     fast = m.generate(ids, **kw)
     c = copy.deepcopy(m)
     norm = c.model.norm
-    assert norm.forward.__self__ is norm  # bound to the copy, not to the original
+    assert norm.forward.mod is norm  # bound to the copy, not to the original
     buf = io.BytesIO()
     torch.save(m, buf)
     buf.seek(0)

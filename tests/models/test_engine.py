@@ -21,7 +21,7 @@ def _own(model):
 
 def _steps(monkeypatch):
     calls = {"step": 0, "route": 0}
-    step, route = engine.Engine.step, decode.route
+    step, route = engine.Engine.step, decode.RouterForward.route
 
     def counted_step(self, *a):
         calls["step"] += 1
@@ -32,7 +32,7 @@ def _steps(monkeypatch):
         return route(*a)
 
     monkeypatch.setattr(engine.Engine, "step", counted_step)
-    monkeypatch.setattr(decode, "route", counted_route)
+    monkeypatch.setattr(decode.RouterForward, "route", counted_route)
     return calls
 
 
@@ -48,7 +48,7 @@ def test_greedy_generate_equals_transformers(tiny_ckpt, arch, monkeypatch):
     """Same tokens as transformers' own generate on its own modules: a left-padded batch, min_new_tokens with
     end-of-sequence ids banned, and a stop at an end-of-sequence id with the finished row padded."""
     m = moeq.load(tiny_ckpt(arch), quant="rtn-int4", progress=False)
-    assert "_moeq_engine" in m.__dict__
+    assert engine.engine_of(m) is not None
     calls = _steps(monkeypatch)
     ids, am = _batch()
     kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
@@ -71,7 +71,7 @@ def test_step_logits_match_the_models_own_steps(tiny_ckpt):
     from transformers import DynamicCache
 
     m = moeq.load(tiny_ckpt("qwen3_moe"), quant="rtn-int4", progress=False)
-    eng = m._moeq_engine
+    eng = engine.engine_of(m)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(3))
     md, keep, caches, state = eng.describe(2, 12, 12)
     am = torch.ones(2, 6, dtype=torch.int64)
@@ -169,7 +169,7 @@ def test_inputs_outside_the_loop(tiny_ckpt):
     assert engine._request(m, (ids.clamp(max=vocab - 1) + vocab,), {}) is None
     assert engine._request(m, (ids.repeat(5, 1),), {}) is None
     assert engine._request(m, (ids,), {"max_new_tokens": 3, "do_sample": False}) is not None
-    eng = m._moeq_engine
+    eng = engine.engine_of(m)
     md, keep, caches, state = eng.describe(1, 8, 8)
     for tok, pos in [(vocab, 0), (-1, 0), (1, 8)]:
         with pytest.raises(MoeqError):

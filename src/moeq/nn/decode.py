@@ -12,11 +12,11 @@ with biases, sigmoid or grouped scoring, attention with clipped or partial-rotar
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import inspect
 import itertools
 import logging
-import types
 
 import torch
 from torch import nn
@@ -61,56 +61,95 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-class _Norm:
-    """The RMSNorm forward, bound per instance. Named ``forward`` so that a pickled module (``torch.save``) comes back
-    with its class's own forward (a bound method pickles as a lookup of its name)."""
+class Installed:
+    """A native forward installed on one module instance as its ``forward``: moeq's own object, holding the module
+    and what the module's probe decided, so that moeq stores nothing else on (transformers') modules. Anything
+    outside its domain runs the class's own forward. A deep copy of the module gets one bound to the copy; a pickled
+    module (``torch.save``) comes back with its class's own forward (this object pickles as a lookup of ``forward``).
+    ``name``: the method it replaces."""
 
-    @staticmethod
-    def forward(mod: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(mod, hidden_states, mod._moeq_eps)
+    name = "forward"
+
+    def __init__(self, mod: nn.Module) -> None:
+        self.mod = mod
+
+    def __call__(self, *args, **kwargs):
+        return self.run(self.mod, *args, **kwargs)
+
+    def run(self, mod: nn.Module, *args, **kwargs):
+        raise NotImplementedError
+
+    def __reduce__(self):
+        return getattr, (self.mod, self.name)
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    @classmethod
+    def on(cls, mod: nn.Module | None):
+        """The forward of this kind installed on ``mod``, or None."""
+        fwd = getattr(mod, "__dict__", {}).get(cls.name)
+        return fwd if isinstance(fwd, cls) else None
+
+    def install(self) -> bool:
+        setattr(self.mod, self.name, self)
+        return True
+
+
+class NormForward(Installed):
+    """The RMSNorm forward (:func:`rms_norm`) with the module's epsilon."""
+
+    def __init__(self, mod: nn.Module, eps: float) -> None:
+        super().__init__(mod)
+        self.eps = eps
+
+    def run(self, mod: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(mod, hidden_states, self.eps)
         return type(mod).forward(mod, hidden_states) if y is None else y
 
 
-class _Router:
+class RouterForward(Installed):
     """transformers' softmax top-k router (``(logits, scores, indices)``) with the logits from :func:`bf16_linear`;
-    ``mod._moeq_router = (renorm, cast)``: the top-k probabilities divided by their sum; scores returned in the
-    logits' dtype. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
+    ``renorm``: the top-k probabilities divided by their sum; ``cast``: scores returned in the logits' dtype."""
 
-    @staticmethod
-    def forward(mod: nn.Module, hidden_states: torch.Tensor):
+    def __init__(self, mod: nn.Module, renorm: bool, cast: bool) -> None:
+        super().__init__(mod)
+        self.renorm, self.cast = renorm, cast
+
+    def run(self, mod: nn.Module, hidden_states: torch.Tensor):
         h = hidden_states.reshape(-1, mod.hidden_dim)
         logits = bf16_linear(h, mod.weight)
         if logits is None:
             return type(mod).forward(mod, hidden_states)
-        values, indices = _top_k(mod, logits)
+        values, indices = self.top_k(logits)
         return logits, values, indices
 
+    def top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's scores and indices from its logits."""
+        values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), self.mod.top_k, dim=-1)
+        if self.renorm:
+            values /= values.sum(dim=-1, keepdim=True)
+        return values.to(logits.dtype) if self.cast else values, indices
 
-def _top_k(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax top-k router's scores and indices from its logits (``mod._moeq_router = (renorm, cast)``)."""
-    renorm, cast = mod._moeq_router
-    values, indices = torch.topk(torch.softmax(logits.float(), dim=-1), mod.top_k, dim=-1)
-    if renorm:
-        values /= values.sum(dim=-1, keepdim=True)
-    return values.to(logits.dtype) if cast else values, indices
-
-
-def route(mod: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_top_k` as the native MoE step takes it: fp32 weights (the router's values, exactly) and int64 indices."""
-    values, indices = _top_k(mod, logits)
-    return values.float().contiguous(), indices.contiguous()
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`top_k` as the native MoE step takes it: fp32 weights (the router's values, exactly) and int64
+        indices."""
+        values, indices = self.top_k(logits)
+        return values.float().contiguous(), indices.contiguous()
 
 
 HEAD_MAX_ROWS = 4  # the gemv re-reads each weight row from L1 per x row: past ~4 rows torch's GEMM wins (measured)
 
 
-class HeadForward:
+class HeadForward(Installed):
     """A bf16 output head (``nn.Linear`` without bias, e.g. the lm_head the default policy keeps, or tied
     embeddings) for up to :data:`HEAD_MAX_ROWS` rows as one native gemv at memory speed; torch's CPU bf16 gemv reads
-    a 150k-row head several times slower. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
+    a 150k-row head several times slower."""
 
-    @staticmethod
-    def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def run(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // mod.in_features
         if rows <= HEAD_MAX_ROWS and (rows == 1 or not native.has_amx()):  # AMX: oneDNN's GEMM wins from 2 rows
             y = bf16_linear(x, mod.weight)
@@ -172,8 +211,7 @@ def try_head(model: nn.Module, compact: bool = True) -> bool:
                 return True
         if not _head_close(bf16_linear(x, head.weight), ref):
             return False
-    head.forward = types.MethodType(HeadForward.forward, head)
-    return True
+    return HeadForward(head).install()
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -183,15 +221,17 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     native.func("moeq_rope_bf16")(x.data_ptr(), b, h, d, cos.data_ptr(), sin.data_ptr())
 
 
-class _Attention:
+class AttentionForward(Installed):
     """transformers' Llama-style attention forward (q/k/v projections, optional q/k RMSNorms per head or over the
     whole projection, RoPE, cache update, attention, o projection) for one bf16 token, with RoPE and the attention
-    native; ``mod._moeq_qk_norm`` is "none", "head" or "full". Anything else runs the class's own forward. Bound per
-    instance, named ``forward`` as :class:`_Norm`'s."""
+    native; ``qk_norm`` is "none", "head" or "full"."""
 
-    @staticmethod
-    def forward(mod: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                cache=None, **kwargs):
+    def __init__(self, mod: nn.Module, qk_norm: str) -> None:
+        super().__init__(mod)
+        self.qk_norm = qk_norm
+
+    def run(self, mod: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+            cache=None, **kwargs):
         b, t, _ = hidden_states.shape if hidden_states.dim() == 3 else (0, 0, 0)
         d = mod.head_dim
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
@@ -199,7 +239,7 @@ class _Attention:
                 or hidden_states.device.type != "cpu" or cos.dtype != torch.bfloat16 or cos.shape != (b, 1, d)
                 or kwargs.get("output_attentions")):
             return type(mod).forward(mod, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-        norm = mod._moeq_qk_norm
+        norm = self.qk_norm
         q, k, v = mod.q_proj(hidden_states), mod.k_proj(hidden_states), mod.v_proj(hidden_states)
         if norm == "full":
             q, k = mod.q_norm(q), mod.k_norm(k)
@@ -240,15 +280,10 @@ def _is_rms_norm(mod: nn.Module) -> float | None:
 def _try_norm(mod: nn.Module, eps: float) -> bool:
     if mod.weight.dtype != torch.bfloat16 or mod.weight.device.type != "cpu":
         return False
-    mod._moeq_eps = eps
     x = _probe(mod.weight.shape[0])
     with torch.no_grad():
         got, ref = rms_norm(mod, x, eps), type(mod).forward(mod, x)
-    if got is None or not close(got, ref):
-        del mod._moeq_eps
-        return False
-    mod.forward = types.MethodType(_Norm.forward, mod)  # a bound method: deepcopy rebinds it to the copy
-    return True
+    return got is not None and close(got, ref) and NormForward(mod, eps).install()
 
 
 def _try_router(mod: nn.Module) -> bool:
@@ -265,18 +300,16 @@ def _try_router(mod: nn.Module) -> bool:
             return False
         for renorm in (True, False):
             for cast in (True, False):
-                mod._moeq_router = (renorm, cast)
-                got = _Router.forward(mod, x)
+                fwd = RouterForward(mod, renorm, cast)
+                got = fwd.run(mod, x)
                 if (torch.equal(got[2], ref[2]) and close(got[0], ref[0]) and got[1].dtype == ref[1].dtype
                         and torch.allclose(got[1].float(), ref[1].float(), rtol=2.0 ** -7, atol=1e-6)):
-                    mod.forward = types.MethodType(_Router.forward, mod)
-                    return True
-    del mod._moeq_router
+                    return fwd.install()
     return False
 
 
 def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -> bool:
-    """Install :class:`_Attention` where it reproduces the module's own decode step on a probe: three tokens of
+    """Install :class:`AttentionForward` where it reproduces the module's own decode step on a probe: three tokens of
     prefill, then one step at position 3, each against its own cache."""
     from transformers import DynamicCache  # noqa: PLC0415
 
@@ -302,7 +335,7 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2, 4, hidden, generator=g)).bfloat16()
     pos = torch.arange(4)[None].expand(2, 4)
-    mod._moeq_qk_norm = variant
+    fwd = AttentionForward(mod, variant)
     try:  # a probe: a module this forward cannot run keeps its own
         with torch.no_grad():
             cos, sin = rotary(x, pos)
@@ -310,26 +343,31 @@ def _try_attention(mod: nn.Module, model: nn.Module, rotary: nn.Module | None) -
             for c in caches:
                 type(mod).forward(mod, x[:, :3], (cos[:, :3], sin[:, :3]), None, cache=c)
             ref, _ = type(mod).forward(mod, x[:, 3:], (cos[:, 3:], sin[:, 3:]), None, cache=caches[0])
-            got, _ = _Attention.forward(mod, x[:, 3:], (cos[:, 3:], sin[:, 3:]), None, cache=caches[1])
+            got, _ = fwd.run(mod, x[:, 3:], (cos[:, 3:], sin[:, 3:]), None, cache=caches[1])
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError) as e:
         log.debug("%s keeps its own forward: %s", type(mod).__name__, e)
         got = ref = None
-    if got is None or not close(got, ref):
-        del mod._moeq_qk_norm
-        return False
-    mod.forward = types.MethodType(_Attention.forward, mod)
-    return True
+    return got is not None and close(got, ref) and fwd.install()
 
 
 MAX_LAYER_ROWS = 8  # the MoE kernel's rows per expert: B tokens of one step route each expert at most B times
 
 
-def layer_plan(mod: nn.Module):
+def layer_plan(mod: nn.Module, slot: native.PlanSlot):
     """The decoder layer described for ``moeq_layer_pre/attn/moe`` (``native.Layer``, tensors kept alive), built once
-    and reused while the layer's weights stay the same tensors; None when a part is outside the native forms."""
+    into ``slot`` and reused while the layer's weights stay the same tensors; None when a part is outside the native
+    forms (or its norms, router and attention do not run natively)."""
     from moeq.kernels import plans as native_plans  # noqa: PLC0415
 
     attn, mlp = mod.self_attn, mod.mlp
+    a, router_fwd = AttentionForward.on(attn), RouterForward.on(mlp.gate)
+    n1, n2 = NormForward.on(mod.input_layernorm), NormForward.on(mod.post_attention_layernorm)
+    if a is None or router_fwd is None or n1 is None or n2 is None:
+        return None
+    norm = a.qk_norm in ("head", "full")
+    qn = NormForward.on(attn.q_norm) if norm else None
+    if norm and (qn is None or NormForward.on(attn.k_norm) is None or NormForward.on(attn.k_norm).eps != qn.eps):
+        return None
     projs = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     plans = [native_plans.linear_plan(p) if packed.holds(p, "weight") else None for p in projs]  # biases: bf16
     experts = (native_plans.experts_plan(mlp.experts, True) if getattr(mlp.experts, "kernel", None) == "native"
@@ -337,12 +375,9 @@ def layer_plan(mod: nn.Module):
     if None in plans or experts is None:
         return None
     key = tuple(map(id, plans)) + (id(experts),)  # the parts' plans: rebuilt only when one of them is
-    slot = native.plan_slot(mod, "_moeq_layer_plan")
     if slot.value is not None and slot.value[0] == key:
         return slot.value[1]
-    norm = attn._moeq_qk_norm in ("head", "full")
     router = mlp.gate
-    renorm, cast = router._moeq_router
     ln1, ln2 = mod.input_layernorm, mod.post_attention_layernorm
     biases = [None if p.bias is None else p.bias.data_ptr() for p in projs]
     keep = [ln1.weight, ln2.weight, router.weight, plans, experts, [p.bias for p in projs]]
@@ -350,26 +385,34 @@ def layer_plan(mod: nn.Module):
         bq=biases[0], bk=biases[1], bv=biases[2], bo=biases[3],
         ln1=ln1.weight.data_ptr(), ln2=ln2.weight.data_ptr(), router=router.weight.data_ptr(),
         qn=attn.q_norm.weight.data_ptr() if norm else None, kn=attn.k_norm.weight.data_ptr() if norm else None,
-        eps1=ln1._moeq_eps, eps2=ln2._moeq_eps, eps_qk=attn.q_norm._moeq_eps if norm else 0.0,
+        eps1=n1.eps, eps2=n2.eps, eps_qk=qn.eps if norm else 0.0,
         scale=float(attn.scaling), H=router.weight.shape[1], Hq=projs[0].out_features // attn.head_dim,
         Hkv=projs[1].out_features // attn.head_dim, D=attn.head_dim, E=router.weight.shape[0], topk=router.top_k,
-        renorm=int(renorm), cast=int(cast), qk_full=int(attn._moeq_qk_norm == "full"),
+        renorm=int(router_fwd.renorm), cast=int(router_fwd.cast), qk_full=int(a.qk_norm == "full"),
         q=plans[0].stack, k=plans[1].stack, v=plans[2].stack, o=plans[3].stack, w13=experts.w13, w2=experts.w2)
     slot.value = (key, (cfg, keep))
     return slot.value[1]
 
 
-class LayerForward:
+class LayerForward(Installed):
     """A MoE decoder layer's decode step (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE style) as three native calls —
     norms, projections, q/k norms, RoPE; then, after the cache update, attention, o projection, residual, norm, router
     logits; then, after the router's own top-k in torch (its tie order; and Qwen2-MoE's gated shared expert through
     its own modules), the experts and the residual — instead of a dozen module calls and their torch glue. Installed
     per layer by :func:`_try_layer` where it reproduced the layer's own step; anything else runs the class's own
-    forward. Bound per instance, named ``forward`` as :class:`_Norm`'s."""
+    forward. ``arg_names``: the class forward's positional parameters after ``hidden_states`` (families order them
+    differently); ``slot``: the layer's native description (:func:`layer_plan`)."""
 
-    @staticmethod
-    def forward(mod: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-        named = dict(zip(mod._moeq_layer_args, args), **kwargs)  # families order the arguments differently
+    def __init__(self, mod: nn.Module, arg_names: tuple[str, ...]) -> None:
+        super().__init__(mod)
+        self.arg_names = arg_names
+        self.slot = native.PlanSlot()
+
+    def plan(self):
+        return layer_plan(self.mod, self.slot)
+
+    def run(self, mod: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+        named = dict(zip(self.arg_names, args), **kwargs)
         cache = named.pop("cache", None) or named.pop("past_key_values", None)
         attention_mask, position_embeddings = named.pop("attention_mask", None), named.pop("position_embeddings", None)
         named.pop("position_ids", None)
@@ -387,7 +430,7 @@ class LayerForward:
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         s = cache.get_seq_length(attn.layer_idx) + 1
         add = attention.additive_mask(attention_mask, b, s)
-        plan = layer_plan(mod) if add is not False else None
+        plan = self.plan() if add is not False else None
         if plan is None:
             return type(mod).forward(mod, hidden_states, *args, **kwargs)
         cfg = plan[0]
@@ -411,7 +454,7 @@ class LayerForward:
                              None if add is None else add.data_ptr(), r1.data_ptr(), n2.data_ptr(), logits.data_ptr()):
             raise MoeqError(f"layer {attn.layer_idx}: out of memory in the native decode step")
         mlp = mod.mlp
-        weights, idx = route(mlp.gate, logits)  # the router's own top-k (torch's tie order)
+        weights, idx = RouterForward.on(mlp.gate).route(logits)  # the router's own top-k (torch's tie order)
         extra = None
         if hasattr(mlp, "shared_expert"):  # Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert(h), its modules
             shared = mlp.shared_expert(n2)
@@ -438,15 +481,11 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
 
     attn, mlp = getattr(mod, "self_attn", None), getattr(mod, "mlp", None)
     ln1, ln2 = getattr(mod, "input_layernorm", None), getattr(mod, "post_attention_layernorm", None)
-    if (rotary is None or attn is None or mlp is None
-            or "forward" not in getattr(attn, "__dict__", {}) or getattr(attn, "_moeq_qk_norm", None) is None
-            or any(not hasattr(n, "_moeq_eps") for n in (ln1, ln2) if n is not None) or ln1 is None or ln2 is None
-            or not hasattr(getattr(mlp, "gate", None), "_moeq_router") or not hasattr(mlp, "experts")
+    if (rotary is None or attn is None or mlp is None or ln1 is None or ln2 is None
+            or AttentionForward.on(attn) is None or NormForward.on(ln1) is None or NormForward.on(ln2) is None
+            or RouterForward.on(getattr(mlp, "gate", None)) is None or not hasattr(mlp, "experts")
             or set(dict(mlp.named_children())) not in ({"gate", "experts"},
                                                         {"gate", "experts", "shared_expert", "shared_expert_gate"})):
-        return False
-    if attn._moeq_qk_norm != "none" and not (all(hasattr(n, "_moeq_eps") for n in (attn.q_norm, attn.k_norm))
-                                            and attn.q_norm._moeq_eps == attn.k_norm._moeq_eps):
         return False
     router = mlp.gate.weight
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -455,10 +494,10 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
     if hasattr(mlp, "shared_expert_gate") and not (type(mlp.shared_expert_gate) is nn.Linear
                                                    and mlp.shared_expert_gate.out_features == 1):
         return False
-    if layer_plan(mod) is None:
-        return False
     params = list(inspect.signature(type(mod).forward).parameters)[2:]  # after self, hidden_states
-    mod._moeq_layer_args = tuple(p for p in params if p not in ("args", "kwargs"))
+    fwd = LayerForward(mod, tuple(p for p in params if p not in ("args", "kwargs")))
+    if fwd.plan() is None:
+        return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, router.shape[1], generator=g).bfloat16()
     pos = torch.arange(4)[None].expand(2, 4)
@@ -474,16 +513,12 @@ def _try_layer(mod: nn.Module, rotary: nn.Module | None) -> bool:
             for c in caches:
                 step(type(mod).forward, slice(0, 3), c)
             ref = step(type(mod).forward, slice(3, 4), caches[0])
-            got = step(LayerForward.forward, slice(3, 4), caches[1])
+            got = step(fwd.run, slice(3, 4), caches[1])
     except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, MoeqError) as e:
         log.debug("%s keeps its own forward: %s", type(mod).__name__, e)
         got = ref = None
     ref = ref[0] if isinstance(ref, tuple) else ref
-    if not isinstance(ref, torch.Tensor) or not close(got, ref):
-        del mod._moeq_layer_args
-        return False
-    mod.forward = types.MethodType(LayerForward.forward, mod)
-    return True
+    return isinstance(ref, torch.Tensor) and close(got, ref) and fwd.install()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
-import types
 
 import torch
 from torch import nn
@@ -44,12 +43,11 @@ def _parts(model: nn.Module):
     emb, layers, norm, rotary = parts
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if (type(emb) is not nn.Embedding or emb.weight.dtype != torch.bfloat16 or emb.weight.device.type != "cpu"
-            or not emb.weight.is_contiguous() or not hasattr(norm, "_moeq_eps")
+            or not emb.weight.is_contiguous() or decode.NormForward.on(norm) is None
             or getattr(rotary, "rope_type", None) != "default" or len(layers) == 0):
         return None
     for mod in layers:
-        fwd = mod.__dict__.get("forward")
-        if getattr(fwd, "__func__", None) is not decode.LayerForward.forward or hasattr(mod.mlp, "shared_expert"):
+        if decode.LayerForward.on(mod) is None or hasattr(mod.mlp, "shared_expert"):
             return None
     return emb, layers, norm, rotary, head, cfg
 
@@ -71,7 +69,7 @@ class Engine:
         head = self.head
         if isinstance(head, bf12.Bf12Linear):
             return (head.describe(), None) if batch <= bf12.MAX_ROWS else None
-        if getattr(head.__dict__.get("forward"), "__func__", None) is decode.HeadForward.forward:
+        if decode.HeadForward.on(head) is not None:
             ok = head.bias is None and batch <= decode.HEAD_MAX_ROWS and head.in_features % 32 == 0
             return (head.weight, None) if ok else None
         if packed.holds(head, "weight") and head.bias is None:
@@ -94,7 +92,7 @@ class Engine:
     def describe(self, batch: int, capacity: int, positions: int):
         """(native.Model, keep-alive, caches, step state) for ``batch`` sequences of up to ``capacity`` tokens, or
         None."""
-        plans = [decode.layer_plan(mod) for mod in self.layers]
+        plans = [decode.LayerForward.on(mod).plan() for mod in self.layers]
         head = self._head(batch)
         if any(p is None for p in plans) or head is None:
             return None
@@ -107,7 +105,7 @@ class Engine:
         weight, qhead = head
         m = native.Model(layers=cfgs, L=len(plans), H=c0.H, vocab=self.emb.weight.shape[0],
                          V=self.head.out_features, P=cos.shape[0], B=batch, Sc=capacity,
-                         embed=self.emb.weight.data_ptr(), norm=self.norm.weight.data_ptr(), eps=self.norm._moeq_eps,
+                         embed=self.emb.weight.data_ptr(), norm=self.norm.weight.data_ptr(), eps=decode.NormForward.on(self.norm).eps,
                          head=weight.data_ptr() if isinstance(weight, torch.Tensor) else None,
                          cos=cos.data_ptr(), sin=sin.data_ptr(), kc=kc, vc=vc)
         if isinstance(weight, native.Bf12):
@@ -129,7 +127,7 @@ class Engine:
         while at >= 0:  # a routing tie: the router's own top-k (torch's order), then the step goes on
             gate = self.layers[at].mlp.gate
             h, e = m.H, gate.weight.shape[0]
-            weights, idx = decode.route(gate, state.view(-1)[3 * b * h:3 * b * h + b * e].view(b, e))
+            weights, idx = decode.RouterForward.on(gate).route(state.view(-1)[3 * b * h:3 * b * h + b * e].view(b, e))
             at = L.moeq_decode_step(*args, at, idx.data_ptr(), weights.data_ptr(), state.data_ptr(),
                                     logits.data_ptr())
         if at != -1:
@@ -242,18 +240,27 @@ def _request(model: nn.Module, args: tuple, kwargs: dict):
     return ids.contiguous(), am.to(torch.int64).contiguous(), int(new), int(min_new), eos, pad, kwargs.get("streamer")
 
 
-class _Generate:
-    """``generate`` bound per model: the native greedy path where :func:`_request` accepts the call and the engine
-    the model, transformers' own otherwise. Named ``generate`` as :class:`moeq.nn.decode._Norm` names ``forward``."""
+class NativeGenerate(decode.Installed):
+    """``generate`` installed per model, holding its :class:`Engine`: the native greedy path where :func:`_request`
+    accepts the call and the engine the model, transformers' own otherwise."""
 
-    @staticmethod
-    def generate(model: nn.Module, *args, **kwargs):
-        eng = model.__dict__.get("_moeq_engine")
-        if eng is not None and _parts(model) is None:  # a layer lost its native forward since (e.g. replaced)
-            eng = None
+    name = "generate"
+
+    def __init__(self, model: nn.Module, engine: Engine) -> None:
+        super().__init__(model)
+        self.engine = engine
+
+    def run(self, model: nn.Module, *args, **kwargs):
+        eng = self.engine if _parts(model) is not None else None  # a layer may have lost its native forward since
         req = _request(model, args, kwargs) if eng is not None else None
         out = eng.generate(*req) if req is not None else None
         return type(model).generate(model, *args, **kwargs) if out is None else out
+
+
+def engine_of(model: nn.Module) -> Engine | None:
+    """The native decode engine installed on ``model`` (:func:`install`), or None."""
+    gen = NativeGenerate.on(model)
+    return None if gen is None else gen.engine
 
 
 def _probe(model: nn.Module, eng: Engine) -> bool:
@@ -301,6 +308,4 @@ def install(model: nn.Module) -> bool:
     if not ok:
         plans.set_rows16(head, False)
         return False
-    model._moeq_engine = eng
-    model.generate = types.MethodType(_Generate.generate, model)
-    return True
+    return NativeGenerate(model, eng).install()

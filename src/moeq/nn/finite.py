@@ -14,8 +14,6 @@ from torch import nn
 
 from moeq.errors import MoeqError
 
-ATTR = "_moeq_finite_guard"
-
 
 class NonFiniteError(MoeqError):
     """A model produced NaN or Inf from finite input."""
@@ -88,10 +86,14 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def install(model: nn.Module) -> nn.Module:
     """Give ``model`` the checks (once): forward hooks on its embedding, decoder layers and final norm, and on the
     model itself for the logits."""
-    if getattr(model, ATTR, False):
+    if guarded(model):
         return model
     for name, mod in _layers(model):
         mod.register_forward_hook(_Guard(name), with_kwargs=True)
     model.register_forward_hook(_Guard("the output head (logits)"), with_kwargs=True)
-    object.__setattr__(model, ATTR, True)
     return model
+
+
+def guarded(model: nn.Module) -> bool:
+    """Whether ``model`` has the checks (its hooks travel with copies and pickles of it)."""
+    return any(isinstance(h, _Guard) for h in model._forward_hooks.values())

@@ -83,6 +83,5 @@ def canonicalize_head_input(model: nn.Module) -> None:
     """Install :func:`_canonical_input` on the model's output head when it stays a dense ``nn.Linear`` (tied
     embeddings, or a head left unquantized)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, nn.Linear) and not getattr(head, "_moeq_canonical_input", False):
+    if isinstance(head, nn.Linear) and _canonical_input not in head._forward_pre_hooks.values():
         head.register_forward_pre_hook(_canonical_input)
-        head._moeq_canonical_input = True
