@@ -25,6 +25,7 @@ v, o and experts). Tools missing (see benchmarks/llamacpp.py): those rows are sk
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -137,36 +138,69 @@ def _row(method: str, secs: float, bpw: float, params: int) -> dict:
             "quantize_gbps": params * 2 / secs / 1e9 if secs else 0.0}
 
 
-def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: Path) -> tuple[dict, dict, dict]:
-    """llama.cpp's calibration-free types on the same fixture (see the module docstring): models, rows, and what
-    was checked about the conversion."""
+def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: Path, label: str = "",
+                    imatrix_chunks: int = 200) -> tuple[dict, dict, dict]:
+    """llama.cpp's types on the same fixture (see the module docstring): models, rows, and what was checked about
+    the conversion. A spec is ``TYPE[:pure][:imatrix]``; the importance matrix (computed once per model, by
+    ``llama-imatrix`` on :func:`calibration_text`) is what the Hub's GGUF uploaders use."""
     exe = llamacpp.find_tool("llama-quantize")
     if exe is None:
         print("skipping llama.cpp rows: llama-quantize not found (build steps in benchmarks/llamacpp.py)")
         return {}, {}, {}
     from moeq.export import export  # noqa: PLC0415
 
+    work.mkdir(parents=True, exist_ok=True)
     bf16 = work / "moeq-bf16"
     export(moeq.load(model_dir, dtype=torch.bfloat16, progress=False), bf16, "gguf", source=model_dir)
     src = bf16 / "model.gguf"
-    info: dict = {"llama_quantize": str(exe)}
+    info: dict = {"llama_quantize": str(exe), "build": llamacpp.build_flags(exe)}
     try:
         theirs = llamacpp.convert(Path(model_dir), work / "converter-bf16.gguf")
         info["converter_tensors_identical"] = llamacpp.same_tensors(src, theirs)
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"convert_hf_to_gguf.py did not run ({e}); using moeq's BF16 export unchecked")
         info["converter_tensors_identical"] = None
+    imat = None
+    if any("imatrix" in s.split(":")[1:] for s in specs):
+        tool = llamacpp.find_tool("llama-imatrix")
+        if tool is None:
+            print("skipping the imatrix rows: llama-imatrix not found")
+            specs = [s for s in specs if "imatrix" not in s.split(":")[1:]]
+        else:
+            text = work / "calibration.txt"
+            books = calibration_text(sorted(DATA.glob("text_*.txt")), imatrix_chunks * 512 * 6)  # ~4.5 chars/token
+            text.write_text("\n\n".join(books), encoding="utf-8")
+            t0 = time.perf_counter()
+            imat = llamacpp.imatrix(tool, src, text, work / "imatrix.gguf", imatrix_chunks)
+            info["imatrix"] = {"text": "equal shares of the first 90% of the six ../shared/data novels (disjoint "
+                                       "from the scored last 10%)",
+                               "chunks": imatrix_chunks, "ctx": 512, "tokens": imatrix_chunks * 512,
+                               "seconds": time.perf_counter() - t0}
     models, rows = {}, {}
     for spec in specs:
-        qtype, _, pure = spec.partition(":")
-        name = f"llama.cpp {qtype}" + (" --pure" if pure else " (its mix)")
+        qtype, *opts = spec.split(":")
+        pure, weighted = "pure" in opts, "imatrix" in opts
+        name = (f"{label}llama.cpp {qtype}" + (" --pure" if pure else " (its mix)")
+                + (" +imatrix" if weighted else ""))
         t0 = time.perf_counter()
-        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}.gguf", qtype, bool(pure))
+        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{'-imat' if weighted else ''}.gguf",
+                                qtype, pure, imat if weighted else None)
         secs = time.perf_counter() - t0
         bpw, types = llamacpp.bits_per_weight(out)
         models[name] = moeq.load(out, dtype=dtype, progress=False)
-        rows[name] = _row(name, secs, bpw, 0) | {"ggml_types": types}
+        rows[name] = _row(name, secs, bpw, 0) | {"ggml_types": types, "imatrix": weighted}
     return models, rows, info
+
+
+def calibration_text(files: list[Path], chars: int, frac: float = 0.9) -> list[str]:
+    """The importance matrix's text: an equal share of ``chars`` from each book, taken from its first ``frac`` (past
+    the first 5%: front matter), so disjoint from :func:`heldout_text`."""
+    out = []
+    for f in files:
+        t = f.read_text(encoding="utf-8", errors="replace")
+        start = int(len(t) * 0.05)
+        out.append(t[start:min(start + chars // len(files), int(len(t) * frac))])
+    return out
 
 
 def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
@@ -175,6 +209,29 @@ def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
         t = f.read_text(encoding="utf-8", errors="replace")
         out.append(t[int(len(t) * (1 - frac)):])
     return out
+
+
+def rotated_models(args, dtype: torch.dtype, work: Path) -> tuple[dict, dict, dict]:
+    """The model rotated by :func:`moeq.rotate_` (in fp32, saved fp32, so the rotation adds no rounding of its own),
+    unquantized and with each ``--rotate`` method, and llama.cpp's ``--rotate-llamacpp`` types on its GGUF."""
+    src = moeq.load(args.model, dtype=torch.float32, progress=False)
+    rot = moeq.rotate_(src)
+    moeq.save(src, work / "model", source=args.model)
+    del src
+    path = str(work / "model")
+    label = "rotated: unquantized"
+    models, rows = {label: moeq.load(path, dtype=dtype, progress=False)}, {label: _row(label, 0.0, 16.0, 0)}
+    for name in args.rotate:
+        label = f"rotated: {name}"
+        t0 = time.perf_counter()
+        m = moeq.load(path, quant=methods()[name], dtype=dtype, progress=False)
+        secs = time.perf_counter() - t0
+        info = moeq.inspect(m)
+        models[label] = m
+        rows[label] = _row(label, secs, info["quantized_bits_per_weight"], info["quantized_params"])
+    lc_models, lc_rows, lc_info = (llamacpp_models(path, args.rotate_llamacpp, dtype, work / "llamacpp", "rotated: ",
+                                                   args.imatrix_chunks) if args.rotate_llamacpp else ({}, {}, {}))
+    return {**models, **lc_models}, {**rows, **lc_rows}, {"rotation": dataclasses.asdict(rot), "llamacpp": lc_info}
 
 
 def main():
@@ -187,8 +244,15 @@ def main():
     ap.add_argument("--merge", action="store_true", help="update/append these rows in --out instead of rewriting")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="compute dtype of the reference and of every model")
-    ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure]",
-                    help=f"llama.cpp rows (default {' '.join(LLAMACPP_TYPES)}; none when given without types)")
+    ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure][:imatrix]",
+                    help=f"llama.cpp rows (default {' '.join(LLAMACPP_TYPES)}; none when given without types); "
+                         ":imatrix weights the type by llama-imatrix's importance matrix")
+    ap.add_argument("--imatrix-chunks", type=int, default=200, help="llama-imatrix windows of 512 tokens")
+    ap.add_argument("--rotate", nargs="*", default=None, metavar="METHOD",
+                    help="also score these methods (names of methods()) on the model rotated by moeq.rotate_ "
+                         "(rotated in fp32, saved fp32): rows 'rotated: ...', with the rotated unquantized model")
+    ap.add_argument("--rotate-llamacpp", nargs="*", default=[], metavar="TYPE[:pure][:imatrix]",
+                    help="llama.cpp types applied to the rotated model (its own BF16 GGUF and importance matrix)")
     ap.add_argument("--activations", nargs="*", default=None, metavar="METHOD",
                     help="also score these methods decode-shaped (DECODE_CHUNK tokens per forward over a KV cache), "
                          "with the default and with int8 activations (moeq.set_activations)")
@@ -236,7 +300,13 @@ def main():
     if args.only is not None:
         specs = [t for t in specs if f"llama.cpp {t.split(':')[0]}" in " ".join(args.only)]
     with tempfile.TemporaryDirectory(prefix="moeq-acc-") as work:
-        lc_models, lc_rows, lc_info = llamacpp_models(args.model, specs, dtype, Path(work)) if specs else ({}, {}, {})
+        lc_models, lc_rows, lc_info = (llamacpp_models(args.model, specs, dtype, Path(work) / "base",
+                                                       imatrix_chunks=args.imatrix_chunks) if specs else ({}, {}, {}))
+        if args.rotate is not None:
+            r_models, r_rows, r_info = rotated_models(args, dtype, Path(work) / "rotated")
+            lc_models.update(r_models)
+            lc_rows.update(r_rows)
+            lc_info = {**lc_info, "rotated": r_info}
     models.update(lc_models)
     rows.update(lc_rows)
     res = evaluate_many(models, ref, ids, ctx=args.ctx, max_tokens=args.max_tokens, chunks=chunks)

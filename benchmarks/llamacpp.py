@@ -82,13 +82,23 @@ def same_tensors(a: Path, b: Path) -> bool:
         for n in ta)
 
 
-def quantize(exe: Path, src: Path, dst: Path, qtype: str, pure: bool = False) -> Path:
-    """``llama-quantize`` without an importance matrix; token embeddings and output kept BF16, as moeq keeps them,
-    so both sides quantize the same tensors (attention and experts; llama.cpp never quantizes the router)."""
+def quantize(exe: Path, src: Path, dst: Path, qtype: str, pure: bool = False, imatrix: Path | None = None) -> Path:
+    """``llama-quantize`` (with ``imatrix``: weighted by that importance matrix); token embeddings and output kept
+    BF16, as moeq keeps them, so both sides quantize the same tensors (attention and experts; llama.cpp never
+    quantizes the router)."""
     cmd = [str(exe), "--token-embedding-type", "bf16", "--output-tensor-type", "bf16"]
     cmd += ["--pure"] if pure else []
+    cmd += ["--imatrix", str(imatrix)] if imatrix is not None else []
     subprocess.run(cmd + [str(src), str(dst), qtype], check=True, capture_output=True, timeout=3600)
     return dst
+
+
+def imatrix(exe: Path, model: Path, text: Path, out: Path, chunks: int, ctx: int = 512) -> Path:
+    """``llama-imatrix`` over ``chunks`` windows of ``ctx`` tokens of ``text`` (2 threads), as the Hub's uploaders
+    make theirs."""
+    subprocess.run([str(exe), "-m", str(model), "-f", str(text), "-o", str(out), "-c", str(ctx), "--chunks",
+                    str(chunks), "-t", "2", "--no-ppl"], check=True, capture_output=True, timeout=7200)
+    return out
 
 
 def bits_per_weight(path: Path) -> tuple[float, dict[str, int]]:
