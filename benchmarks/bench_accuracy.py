@@ -186,9 +186,9 @@ def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: 
         out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{'-imat' if weighted else ''}.gguf",
                                 qtype, pure, imat if weighted else None)
         secs = time.perf_counter() - t0
-        bpw, types = llamacpp.bits_per_weight(out)
+        bpw, types, params = llamacpp.bits_per_weight(out)
         models[name] = moeq.load(out, dtype=dtype, progress=False)
-        rows[name] = _row(name, secs, bpw, 0) | {"ggml_types": types, "imatrix": weighted}
+        rows[name] = _row(name, secs, bpw, params) | {"ggml_types": types, "imatrix": weighted}
     return models, rows, info
 
 

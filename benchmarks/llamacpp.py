@@ -101,8 +101,9 @@ def imatrix(exe: Path, model: Path, text: Path, out: Path, chunks: int, ctx: int
     return out
 
 
-def bits_per_weight(path: Path) -> tuple[float, dict[str, int]]:
-    """Bits per weight over attention (q, k, v, o) and expert tensors, and how many tensors of each type."""
+def bits_per_weight(path: Path) -> tuple[float, dict[str, int], int]:
+    """Bits per weight over attention (q, k, v, o) and expert tensors, how many tensors of each type, and how many
+    weights."""
     import gguf  # noqa: PLC0415
 
     bits = count = 0
@@ -114,4 +115,4 @@ def bits_per_weight(path: Path) -> tuple[float, dict[str, int]]:
             bits += n * per * 8 / block
             count += n
             types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-    return bits / count, types
+    return bits / count, types, count

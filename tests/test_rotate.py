@@ -106,3 +106,15 @@ def test_refusals_change_nothing(tmp_path):
     ds = moeq.load(make_checkpoint("deepseek_v3", tmp_path / "ds"), dtype=torch.float32, progress=False)
     with pytest.raises(MoeqError, match="not 'deepseek_v3'"):
         rotate_(ds)
+
+
+def test_fold_only_scales_the_readers_by_their_norm(tmp_path):
+    _, m = _model(tmp_path, "mixtral")
+    g1 = m.model.layers[0].input_layernorm.weight.clone()
+    q_proj = m.model.layers[0].self_attn.q_proj.weight.clone()
+    ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(4))
+    before = _logits(m, ids)
+    r = rotate_(m, fold_only=True)
+    assert r.kind.startswith("none")
+    assert torch.allclose(m.model.layers[0].self_attn.q_proj.weight, q_proj * g1, rtol=1e-6, atol=0)
+    assert torch.allclose(_logits(m, ids), before, atol=1e-4 * float(before.abs().max()), rtol=0)

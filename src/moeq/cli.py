@@ -131,7 +131,7 @@ def cmd_rotate(args) -> int:
     check_target(out, args.overwrite, [args.src])
     t0 = time.perf_counter()
     model = moeq.load(args.src, dtype=_dtype(args.dtype), progress=not args.json)
-    rot = moeq.rotate_(model, seed=args.seed)
+    rot = moeq.rotate_(model, seed=args.seed, fold_only=args.fold_only)
     moeq.save(model, out, overwrite=args.overwrite, source=args.src)
     summary = {"out": str(out), **dataclasses.asdict(rot), "seconds": time.perf_counter() - t0,
                "peak_rss_bytes": peak_rss_bytes()}
@@ -495,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the Hadamard's random signs (default: %(default)s)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the rotated weights (default: the checkpoint's)")
+    r.add_argument("--fold-only", action="store_true",
+                   help="no rotation: only fold each RMSNorm's weight into the linears that read it")
     r.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT (nothing else)")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.set_defaults(func=cmd_rotate)

@@ -257,13 +257,16 @@ def _probe_logits(model: nn.Module) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits.double()
 
 
-def rotate_(model: nn.Module, seed: int = 0) -> Rotation:
+def rotate_(model: nn.Module, seed: int = 0, fold_only: bool = False) -> Rotation:
     """Rotate ``model``'s residual stream in place (see the module): an unquantized transformers model of a supported
-    family. Every tensor is checked before the first changes; the logits of a probe are compared before and after
-    (within its dtype's rounding) and a mismatch raises :class:`MoeqError`."""
+    family. ``fold_only``: ``Q = I`` — only the norms' weights folded into the linears that read them (the weights a
+    quantizer then sees carry each input channel's norm scale, as its output error does). Every tensor is checked
+    before the first changes; the logits of a probe are compared before and after (within its dtype's rounding)
+    and a mismatch raises :class:`MoeqError`."""
     acts = _plan(model)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    q, kind = rotation_matrix(cfg.hidden_size, seed)
+    n = cfg.hidden_size
+    q, kind = (torch.eye(n, dtype=torch.float64), "none (norms folded)") if fold_only else rotation_matrix(n, seed)
     before = _probe_logits(model)
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     untied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
