@@ -16,6 +16,11 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 LABELS = {"q4_0": "Q4_0 experts + attention, bf16 head", "q4_0+head:q8_0": "Q4_0 experts + attention, Q8_0 head",
           "rtn-int4+head:q8_0=q4_0+head:q8_0": "moeq `rtn-int4` + Q8_0 head; llama.cpp Q4_0 + Q8_0 head"}
+IMATRIX_ROWS = ["q4_0 (llama.cpp Q4_0 rounding)", "llama.cpp Q4_0 --pure +imatrix", "moeq iq4nl", "llama.cpp IQ4_NL --pure",
+                "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-dq", "llama.cpp IQ4_XS --pure",
+                "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-m", "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3-m",
+                "llama.cpp Q3_K_S (its mix) +imatrix", "moeq q5_0-m", "llama.cpp Q4_K_M (its mix)",
+                "llama.cpp Q4_K_M (its mix) +imatrix", "rotated: moeq iq4nl", "rotated: llama.cpp IQ4_NL --pure"]
 ACCURACY_ROWS = ["moeq q4_0-opt", "llama.cpp Q4_0 --pure", "moeq iq4nl", "llama.cpp IQ4_NL --pure", "moeq iq4nl-dq",
                  "moeq iq4nl-m", "llama.cpp IQ4_NL (its mix)", "moeq nl3-m", "llama.cpp Q3_K_S (its mix)",
                  "llama.cpp Q3_K_M (its mix)",
@@ -53,13 +58,13 @@ def vs_llamacpp(name: str) -> str:
     return "\n".join(lines)
 
 
-def accuracy(name: str = "accuracy_vs_llamacpp.json") -> str:
+def accuracy(name: str = "accuracy_vs_llamacpp.json", wanted: list[str] = ACCURACY_ROWS) -> str:
     d = json.loads((RESULTS / name).read_text())
     rows = {r["method"]: r for r in d["rows"]}
     lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 reference PPL {d['ref_ppl']:.2f} "
              f"(`benchmarks/results/{name}`):", "",
              "| method | bits/weight | PPL | mean KL vs bf16 | top-1 agreement |", "|---|---|---|---|---|"]
-    for m in ACCURACY_ROWS:
+    for m in wanted:
         r = rows.get(m)
         if r is not None:
             lines.append(f"| {m} | {r['bits_per_weight']:.3f} | {r['ppl']:.2f} | {r['mean_kl']:.4f} | "
@@ -119,7 +124,8 @@ def serve(name: str = "serve.json") -> str:
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
-          "accuracy": accuracy, "exports": exports, "gpu": gpu, "serve": serve}
+          "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
+          "exports": exports, "gpu": gpu, "serve": serve}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

@@ -5,7 +5,8 @@ scales, the ``signed`` grid: llama.cpp's arithmetic), ``IQ4_NL`` blocks its ``iq
 tensors are read as stored, and every other type gguf-py can decode (K-quants, Q4_1/Q5_x, IQ types) is dequantized
 into the compute dtype (the values llama.cpp computes with, rounded once to that dtype). Mixtral's q/k row
 permutation for llama.cpp's RoPE is undone. Tensor names come from the same gguf-py name map the exporter writes
-with. GGUF files from other tools carry no transformers config: use llama.cpp for them."""
+with. GGUF files from other tools (llama.cpp's converter, the Hub's uploaders) carry no transformers config: it is
+rebuilt from their llama.cpp hyperparameters (:func:`config_from_metadata`) for the families moeq exports."""
 from __future__ import annotations
 
 import json
@@ -50,15 +51,92 @@ def read_config(path: Path):
     except Exception as e:  # noqa: BLE001 - gguf-py's parser on an untrusted file: any failure is the file's
         raise MoeqError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     raw = _field_str(reader, HF_CONFIG_KEY)
-    if raw is None:
-        raise MoeqError(f"{path}: a GGUF file moeq did not write (no {HF_CONFIG_KEY}); moeq reads its own GGUF "
-                        "exports only — run other GGUF files with llama.cpp")
+    if raw is None:  # llama.cpp's converter, a Hub uploader: the config from the file's own llama.cpp metadata
+        return reader, config_from_metadata(reader, path)
     try:
         d = json.loads(raw)
         config = AutoConfig.for_model(**d)
     except Exception as e:  # noqa: BLE001
         raise MoeqError(f"{path}: its {HF_CONFIG_KEY} is not a usable transformers config ({e})") from None
     return reader, config
+
+
+# transformers config field <- llama.cpp metadata key (after "{arch}."), per family; "expert_ff" etc. below
+_COMMON = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+           "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+           "max_position_embeddings": "context_length", "num_experts_per_tok": "expert_used_count",
+           "rms_norm_eps": "attention.layer_norm_rms_epsilon"}
+_FROM_GGUF = {  # model_type -> its own fields
+    "mixtral": {"num_local_experts": "expert_count",
+                "intermediate_size": ("expert_feed_forward_length", "feed_forward_length")},
+    "qwen3_moe": {"num_experts": "expert_count", "moe_intermediate_size": "expert_feed_forward_length",
+                  "intermediate_size": "feed_forward_length"},
+    "qwen2_moe": {"num_experts": "expert_count", "moe_intermediate_size": "expert_feed_forward_length",
+                  "intermediate_size": "feed_forward_length",
+                  "shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
+    "olmoe": {"num_experts": "expert_count",
+              "intermediate_size": ("expert_feed_forward_length", "feed_forward_length")},
+}
+_OPTIONAL = {"max_position_embeddings", "rms_norm_eps", "shared_expert_intermediate_size"}
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode("utf-8") if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+
+
+def config_from_metadata(reader, path: Path):
+    """The transformers config of a GGUF file moeq did not write (llama.cpp's ``convert_hf_to_gguf.py``, the Hub's
+    uploaders), from its llama.cpp hyperparameters; the family from ``general.architecture`` (llama.cpp's ``llama``
+    graph with experts is Mixtral). Anything the mapped families cannot express is refused, naming the key."""
+    from moeq.export.gguf import FAMILIES  # noqa: PLC0415
+
+    arch = _field(reader, "general.architecture")
+    by_arch = {f.arch: mt for mt, f in FAMILIES.items()}
+    mt = by_arch.get(arch)
+    if mt is None or (mt == "mixtral" and not _field(reader, f"{arch}.expert_count")):
+        raise MoeqError(f"{path}: GGUF architecture {arch!r}{' without experts' if mt else ''} is not one moeq maps "
+                        f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in FAMILIES.items())}); run it with "
+                        "llama.cpp")
+    unsupported = [k for k in reader.fields if k.startswith(f"{arch}.rope.scaling.") or k.endswith(".sliding_window")
+                   or k.startswith(f"{arch}.attention.sliding_window") or k == f"{arch}.leading_dense_block_count"]
+    if unsupported:
+        raise MoeqError(f"{path}: {', '.join(unsupported)}: not expressible in the transformers {mt} model moeq "
+                        "builds; run it with llama.cpp")
+    d: dict = {}
+    for field, keys in {**_COMMON, **_FROM_GGUF[mt]}.items():
+        keys = (keys,) if isinstance(keys, str) else keys
+        v = next((x for x in (_field(reader, f"{arch}.{k}") for k in keys) if x is not None), None)
+        if v is None and field not in _OPTIONAL:
+            raise MoeqError(f"{path}: GGUF metadata {arch}.{keys[0]} is missing (needed for {field})")
+        if v is not None:
+            d[field] = v
+    heads = d["num_attention_heads"]
+    head_dim = _field(reader, f"{arch}.attention.key_length") or d["hidden_size"] // heads
+    if mt != "mixtral" or head_dim != d["hidden_size"] // heads:
+        d["head_dim"] = head_dim
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    d["vocab_size"] = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if d["vocab_size"] is None:
+        raise MoeqError(f"{path}: neither {arch}.vocab_size nor a token list says the vocabulary size")
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base")
+                                                                        or 10000.0)}
+    d["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    if mt in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        d["norm_topk_prob"] = FAMILIES[mt].norm_topk
+    if mt == "qwen2_moe":
+        d["qkv_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+    for tok in ("bos", "eos", "padding"):
+        v = _field(reader, f"tokenizer.ggml.{tok}_token_id")
+        if v is not None:
+            d["pad_token_id" if tok == "padding" else f"{tok}_token_id"] = v
+    try:
+        return AutoConfig.for_model(mt, **d)
+    except Exception as e:  # noqa: BLE001 - values of an untrusted file
+        raise MoeqError(f"{path}: its llama.cpp metadata make no valid {mt} config ({e})") from None
 
 
 def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
