@@ -119,7 +119,7 @@ def test_foreign_gguf_is_refused_clearly(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(moeq.MoeqError, match="moeq did not write"):
+    with pytest.raises(moeq.MoeqError, match="'llama' without experts is not one moeq maps"):
         moeq.load(tmp_path / "x.gguf", progress=False)
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(40))
     with pytest.raises(moeq.MoeqError, match="not a readable GGUF"):

@@ -345,3 +345,24 @@ def test_fuzz_gguf_readback(gguf_ref, isolated, data):
     check(isolated, ckpt, ref, m_gguf, data)
 
 
+@pytest.fixture(scope="module")
+def foreign_gguf_ref(gguf_ref, isolated, tmp_path_factory):
+    """The same file without moeq's keys (as llama.cpp's converter writes it): config from its llama.cpp metadata."""
+    from tests.models.test_gguf_foreign import strip  # noqa: PLC0415
+
+    d = tmp_path_factory.mktemp("foreign") / "g"
+    d.mkdir()
+    strip(gguf_ref[0] / "model.gguf", d / "model.gguf")
+    ref = d.parent / "ref.pt"
+    r = isolated.load(d, save=ref)
+    assert r["outcome"] == "ok" and r["finite"], r
+    return d, ref
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_foreign_gguf(foreign_gguf_ref, isolated, data):
+    ckpt, ref = foreign_gguf_ref
+    check(isolated, ckpt, ref, m_gguf, data)
+
+
