@@ -197,6 +197,49 @@ def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int
                                        "weight_block_size": None if block is None else list(block)})
 
 
+def ct_fp8_scale(w: torch.Tensor, strategy: str, size: tuple[int, int] | int | None = None) -> torch.Tensor:
+    """An absmax / 448 weight scale (bf16) of compressed-tensors' FP8 ``strategy``: ``tensor`` [1], ``channel``
+    [N, 1], ``group`` [N, K / size], ``block`` [ceil(N / bn), ceil(K / bk)] (partial edge tiles)."""
+    wf = w.float().abs()
+    n, k = wf.shape
+    if strategy == "tensor":
+        s = wf.amax().reshape(1)
+    elif strategy == "channel":
+        s = wf.amax(1, keepdim=True)
+    elif strategy == "group":
+        s = wf.reshape(n, k // size, size).amax(-1)
+    else:
+        bn, bk = size
+        p = torch.nn.functional.pad(wf, (0, -k % bk, 0, -n % bn))
+        s = p.reshape(p.shape[0] // bn, bn, p.shape[1] // bk, bk).amax((1, 3))
+    return (s.clamp_min(1e-8) / 448.0).to(torch.bfloat16)
+
+
+def to_ct_fp8(src: str | os.PathLike, out: str | os.PathLike, strategy: str = "block",
+              size: tuple[int, int] | int | None = (128, 128), ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """Write ``src`` (a bf16 checkpoint with per-expert linears on disk) as llm-compressor writes FP8 W8A16 with
+    compressed-tensors: every decoder-layer linear weight (not routers, norms, embeddings or the ``ignore`` list)
+    rounded by compressed-tensors' own ``quantize`` to F8_E4M3 ``weight`` + bf16 ``weight_scale``, and its
+    ``QuantizationConfig`` (format ``float-quantized``) as the ``quantization_config``."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme  # noqa
+    from compressed_tensors.quantization.lifecycle.forward import quantize  # noqa: PLC0415
+
+    extra = ({"block_structure": list(size)} if strategy == "block" else {"group_size": size} if strategy == "group"
+             else {})
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy, **extra)
+
+    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if (t.ndim != 2 or not key.endswith(".weight") or any(s in key for s in FP8_SKIP)
+                or any(key.startswith(i + ".") for i in ignore)):
+            return {key: t}
+        scale = ct_fp8_scale(t, strategy, size)
+        return {key: quantize(t, scale, None, args).to(torch.float8_e4m3fn), key + "_scale": scale}
+    cfg = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                             format="float-quantized", ignore=[*ignore, "re:.*mlp.gate$"],
+                             quantization_status="compressed")
+    return rewrite(src, out, convert, cfg.model_dump(mode="json"))
+
+
 def make_mxfp4_checkpoint(out: str | os.PathLike, **kw) -> Path:
     """A tiny gpt-oss checkpoint in the MXFP4 layout gpt-oss ships: each expert stack ``{gate_up,down}_proj`` (held
     by transformers as ``[E, in, out]``) as ``*_blocks`` uint8 ``[E, out, in/32, 16]`` and ``*_scales`` uint8 E8M0

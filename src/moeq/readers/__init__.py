@@ -80,7 +80,7 @@ def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: t
             return reader.read(found, quant, dtype, progress)
     raise MoeqError(f"{path}: checkpoints quantized with quant_method={found.qc.get('quant_method')!r} are not "
                     "supported; moeq loads bf16/fp16, moeq, FP8 (block-scaled e4m3), MXFP4 (gpt-oss), GPTQ, AWQ, "
-                    "bitsandbytes, compressed-tensors and moeq GGUF checkpoints")
+                    "bitsandbytes, compressed-tensors (pack-quantized, float-quantized FP8) and GGUF checkpoints")
 
 
 SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (without a method, with --method M)
@@ -91,7 +91,9 @@ SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (witho
             "with M in flight"),
     "mxfp4": ("experts run as stored (moeq's mxfp4 grid)", "experts dequantized and re-quantized with M; bf16 linears "
               "quantized with M"),
-    "compressed-tensors": ("pack-quantized weights run as stored (RTN)", "refused: already quantized"),
+    "compressed-tensors": ("pack-quantized weights run as stored (RTN); float-quantized (FP8) weights dequantized "
+                           "(x weight_scale) to the compute dtype", "pack-quantized: refused (already quantized); "
+                           "float-quantized: FP8 weights dequantized and re-quantized with M in flight"),
     "gptq/awq": ("int4/int8 weights run as stored (RTN: vllm grid or asym, exact); act-order GPTQ refused",
                  "weights dequantized exactly and re-quantized with M in flight"),
     "bitsandbytes": ("4/8-bit states run as stored; bf16 experts quantized with the checkpoint's settings",
@@ -109,6 +111,9 @@ def describe(path: Path) -> dict:
     out = {"reader": name, "quant_method": (found.qc or {}).get("quant_method")}
     if name == "fp8":
         out["weight_block_size"] = fp8.block_size(found.qc, path)
+        out["fp8_weights"] = sum(1 for i in found.ckpt.tensors.values() if i.dtype == torch.float8_e4m3fn)
+    elif name == "compressed-tensors":
+        out["format"] = compressed_tensors.format_of(found.qc)
         out["fp8_weights"] = sum(1 for i in found.ckpt.tensors.values() if i.dtype == torch.float8_e4m3fn)
     elif name == "mxfp4":
         out["mxfp4_stacks"] = sum(1 for k in found.ckpt.tensors if k.endswith("_blocks"))

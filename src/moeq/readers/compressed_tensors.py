@@ -63,7 +63,7 @@ def read_weight(ckpt: Checkpoint, qc: dict, head: str, dtype: torch.dtype) -> RT
     prefix = head[: -len("weight")]
     module = prefix[:-1]
     args = _weight_args(qc, module)
-    fmt = qc.get("format")
+    fmt = format_of(qc)
     if fmt != "pack-quantized":
         raise MoeqError(f"compressed-tensors format {fmt!r} is not read by moeq (it reads pack-quantized)")
     bits, sym, strategy = args.get("num_bits"), args.get("symmetric"), args.get("strategy")
@@ -113,9 +113,49 @@ def claims(found) -> bool:
     return bool(found.qc) and found.qc.get("quant_method") == "compressed-tensors"
 
 
+def format_of(qc: dict) -> str | None:
+    """The checkpoint's format: the config's, or the one every config group names."""
+    groups_ = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    per = {g.get("format") for g in groups_.values() if isinstance(g, dict) and g.get("format")}
+    return qc.get("format") or (per.pop() if len(per) == 1 else None)
+
+
+def float_block(qc: dict, key: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The scale tile of a ``float-quantized`` (FP8 e4m3) weight from its config group: ``tensor`` one scale,
+    ``channel`` one per row, ``group`` one per row and ``group_size`` inputs, ``block`` its ``block_structure``."""
+    module = key[: -len(".weight")] if key.endswith(".weight") else key
+    args = _weight_args(qc, module)
+    strategy, k = args.get("strategy"), shape[-1]
+    if args.get("num_bits") != 8 or args.get("type") != "float" or args.get("symmetric") is False:
+        raise MoeqError(f"{module}: compressed-tensors float weights {args} are not FP8 e4m3 symmetric")
+    if strategy == "tensor":
+        return None
+    if strategy == "channel":
+        return 1, k
+    if strategy == "group":
+        gs = args.get("group_size")
+        if type(gs) is not int or gs <= 0 or k % gs:
+            raise MoeqError(f"{module}: FP8 group_size {gs!r} does not divide its {k} inputs")
+        return 1, gs
+    bs = args.get("block_structure")
+    if strategy == "block" and isinstance(bs, list) and len(bs) == 2 and all(type(v) is int and 0 < v <= 1 << 16
+                                                                             for v in bs):
+        return bs[0], bs[1]
+    raise MoeqError(f"{module}: compressed-tensors FP8 strategy {strategy!r} (block {bs!r}) is not one moeq reads")
+
+
 def read(found, quant, dtype, progress: bool):
     """The :mod:`moeq.readers` entry: a compressed-tensors pack-quantized checkpoint, its packed weights become moeq
-    RTN weights as they are; its other tensors (the ``ignore`` list) stay as the checkpoint holds them."""
+    RTN weights as they are; its other tensors (the ``ignore`` list) stay as the checkpoint holds them. A
+    ``float-quantized`` (FP8) one reads as the FP8 checkpoints do: each weight dequantized exactly (e4m3 times its
+    ``weight_scale`` in fp32) as the stream reaches it, kept or quantized in flight with ``quant``."""
+    if format_of(found.qc) == "float-quantized":
+        from moeq.readers import fp8  # noqa: PLC0415
+
+        dtype = compute_dtype(found.config, dtype)
+        src = fp8.Fp8Source(found.ckpt, None, dtype, found.path, suffix="_scale",
+                            block_for=lambda key, shape: float_block(found.qc, key, shape))
+        return fp8.read(found, quant, dtype, progress, source=src)
     if quant is not None:
         raise MoeqError(f"{found.path} is already quantized (compressed-tensors); load it without a method")
     dtype = compute_dtype(found.config, dtype)

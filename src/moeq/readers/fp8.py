@@ -31,7 +31,7 @@ from moeq.readers.state import LoadState, compute_dtype
 log = logging.getLogger(__name__)
 E4M3_MAX = 448.0
 SCALE = "_scale_inv"  # weight -> weight_scale_inv
-ACTIVATION_KEYS = (".input_scale", ".activation_scale")  # static activation scales: weight-only moeq has no use
+ACTIVATION_KEYS = (".input_scale", ".activation_scale", ".input_zero_point")  # static activation scales: weight-only moeq has no use
 
 
 def claims(found) -> bool:
@@ -99,30 +99,38 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] 
 @dataclasses.dataclass
 class Fp8Source:
     """A :class:`Checkpoint` seen as a floating-point source: FP8 weights read dequantized (their scales hidden from
-    the key list), everything else as stored."""
+    the key list), everything else as stored. ``suffix``: the scale's key after the weight's (``_scale_inv`` in
+    DeepSeek's layout, ``_scale`` in compressed-tensors'; both multiply); ``block_for``: a weight's scale tile
+    ``(rows, cols)`` (None: one scale) when it differs per weight (compressed-tensors' per-group strategies), else
+    ``block`` for all."""
 
     ckpt: Checkpoint
     block: tuple[int, int] | None
     dtype: torch.dtype
     path: object
+    suffix: str = SCALE
+    block_for: object = None  # Callable[[str, tuple[int, ...]], tuple[int, int] | None]
 
     def __post_init__(self):
         self.fp8: dict[str, str] = {}  # weight key -> its scale key
+        self.blocks: dict[str, tuple[int, int] | None] = {}
         self.tensors: dict[str, TensorInfo] = {}
         for key, info in self.ckpt.tensors.items():
-            if key.endswith(SCALE) or key.endswith(ACTIVATION_KEYS):
+            if key.endswith(self.suffix) or key.endswith(ACTIVATION_KEYS):
                 continue
             if info.dtype == torch.float8_e4m3fn:
-                skey = key + SCALE if not key.endswith(".weight") else key[: -len("weight")] + "weight" + SCALE
+                skey = key + self.suffix
                 if skey not in self.ckpt.tensors:
                     raise MoeqError(f"{info.file}: {key} is FP8 but {skey} is missing")
+                self.blocks[key] = self.block if self.block_for is None else self.block_for(key, tuple(info.shape))
                 self._check_scale(key, info, self.ckpt.tensors[skey])
                 self.fp8[key] = skey
                 info = dataclasses.replace(info, dtype=self.dtype)
             elif info.dtype in (torch.float8_e5m2,):
                 raise MoeqError(f"{info.file}: {key}: F8_E5M2 weights are not read (moeq reads e4m3)")
             self.tensors[key] = info
-        orphans = [k for k in self.ckpt.tensors if k.endswith(SCALE) and k[: -len(SCALE)] not in self.fp8]
+        orphans = [k for k in self.ckpt.tensors if k.endswith(self.suffix) and not k.endswith(ACTIVATION_KEYS)
+                   and k[: -len(self.suffix)] not in self.fp8]
         if orphans:
             raise MoeqError(f"{self.path}: scales without an FP8 weight: {orphans[:5]}")
         skipped = [k for k in self.ckpt.tensors if k.endswith(ACTIVATION_KEYS)]
@@ -132,13 +140,14 @@ class Fp8Source:
     def _check_scale(self, key: str, info: TensorInfo, sinfo: TensorInfo) -> None:
         if len(info.shape) < 2:
             raise MoeqError(f"{info.file}: {key}: an FP8 weight must have at least 2 dims, got {list(info.shape)}")
-        want = scale_shape(info.shape, self.block)
+        block = self.blocks[key]
+        want = scale_shape(info.shape, block)
         got = tuple(sinfo.shape)
-        if self.block is None and got in ((), (1,)):
+        if block is None and got in ((), (1,)):
             pass
         elif got != want:
             raise MoeqError(f"{sinfo.file}: {sinfo.name}: shape {list(got)}, expected {list(want)} for the "
-                            f"{list(info.shape)} weight {key} at block {self.block}")
+                            f"{list(info.shape)} weight {key} at block {block}")
         if sinfo.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise MoeqError(f"{sinfo.file}: {sinfo.name}: scales stored as {sinfo.dtype}; expected F32/BF16/F16")
 
@@ -169,24 +178,24 @@ class Fp8Source:
         if key not in self.fp8:
             return self.ckpt.read(key, index)
         q = self.ckpt.read(key, index)
-        s = self.ckpt.read(self.fp8[key], index if self.block is not None and len(self.tensors[key].shape) > 2
-                           else None)
+        block = self.blocks[key]
+        s = self.ckpt.read(self.fp8[key], index if block is not None and len(self.tensors[key].shape) > 2 else None)
         self._check_values(self.ckpt.tensors[self.fp8[key]], s)
-        return dequantize(q, s, self.block, self.dtype, f"{self.tensors[key].file}: {key}")
+        return dequantize(q, s, block, self.dtype, f"{self.tensors[key].file}: {key}")
 
     def mmap(self, key: str) -> torch.Tensor:
         return self.read(key)
 
 
-def read(found, quant, dtype, progress: bool) -> nn.Module:
+def read(found, quant, dtype, progress: bool, source=None) -> nn.Module:
     """The :mod:`moeq.readers` entry: an FP8 checkpoint as its dequantized weights (no method: the compute dtype) or
-    quantized in flight with ``quant``."""
-    block = block_size(found.qc, found.path)
+    quantized in flight with ``quant``. ``source``: an :class:`Fp8Source` already set up (other producers' layouts)."""
     dtype = compute_dtype(found.config, dtype)
-    src = Fp8Source(found.ckpt, block, dtype, found.path)
+    src = source or Fp8Source(found.ckpt, block_size(found.qc, found.path), dtype, found.path)
     src.device = found.device
     state = LoadState(found.path, src, found.config, QuantConfig.of(quant or "none"), dtype)
     for key in tqdm(src.keys(), desc="loading+quantizing (FP8)", unit="tensor", disable=not progress):
         state.route(key)
-    log.info("%s: %d FP8 e4m3 weights (block %s) dequantized in flight", found.path, len(src.fp8), block)
+    log.info("%s: %d FP8 e4m3 weights (block %s) dequantized in flight", found.path, len(src.fp8),
+             sorted(set(src.blocks.values()), key=str))
     return state.finish()
