@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from moeq.formats import PackedWeight, bnb4, int8, rtn
+from moeq.formats import PackedWeight, bnb4, fp8, int8, rtn
 from moeq.formats.grids import grid
 from moeq.errors import MoeqError
 
@@ -176,6 +176,29 @@ class Int8(FormatConfig):
 
 @register
 @dataclasses.dataclass(frozen=True)
+class FP8(FormatConfig):
+    """FP8 e4m3 with one fp32 scale per ``block`` tile (DeepSeek's layout). An FP8 checkpoint's weights load into
+    it as stored (no rounding); float weights are quantized as transformers' ``Fp8Quantize`` does."""
+    name: ClassVar[str] = "fp8"
+    block: tuple[int, int] = fp8.BLOCK
+
+    def __post_init__(self):
+        super().__post_init__()
+        b = self.block
+        if (not isinstance(b, (tuple, list)) or len(b) != 2
+                or not all(type(v) is int and 1 <= v <= 1 << 16 for v in b)):
+            raise MoeqError(f"fp8 config: block must be two integers in 1..65536, got {b!r}")
+        object.__setattr__(self, "block", tuple(b))
+
+    def quantize(self, w, name=None, slices=None):
+        return fp8.quantize(w, self.block, name=name)
+
+    def label(self) -> str:
+        return f"fp8-e4m3-b{self.block[0]}x{self.block[1]}"
+
+
+@register
+@dataclasses.dataclass(frozen=True)
 class Keep(FormatConfig):
     """Leave the module in the compute dtype."""
     name: ClassVar[str] = "none"
@@ -210,6 +233,8 @@ METHODS: dict[str, FormatConfig] = {
     # OCP MXFP4 (gpt-oss' expert format; llama.cpp's MXFP4): E2M1 codes, a power-of-two scale per 32, rounded as
     # llama.cpp's quantize_row_mxfp4_ref; gpt-oss MXFP4 checkpoints load into it exactly; GGUF export lossless
     "mxfp4": RTN(4, 32, grid="mxfp4"),
+    # FP8 e4m3, one scale per 128x128 tile (DeepSeek-V3 / Qwen3-FP8 layout): an FP8 checkpoint's weights as stored
+    "fp8": FP8(),
     "rtn-int4-opt": RTN(4, 128, symmetric=False, search=20, refine=2),
     "rtn-int3": RTN(3, 64, symmetric=False),
     "rtn-int2": RTN(2, 32, symmetric=False),

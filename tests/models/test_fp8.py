@@ -90,6 +90,64 @@ def test_quantized_in_flight_equals_quantizing_the_dequantized_model(fp8_ckpt, m
     assert isinstance(m.model.layers[0].mlp.experts, QuantExperts)
 
 
+@pytest.mark.parametrize("arch,block", [("qwen3_moe", (128, 128)), ("qwen3_moe", (48, 80)),
+                                        ("deepseek_v3", (128, 128)), ("mixtral", (128, 128))])
+def test_fp8_method_keeps_the_checkpoint_bytes(fp8_ckpt, arch, block, tmp_path):
+    """``--method fp8``: every 2-D FP8 weight kept as its codes and scales (nothing rounded; tiles straddling the
+    gate/up seam or DeepSeek's partial edge tiles included), logits as close to the dequantized model's as fp32
+    products over bf16 ones allow, saved and reloaded bit for bit."""
+    from moeq.api import packed_weights
+    from moeq.formats import Fp8Weight
+    path = fp8_ckpt(arch, block)
+    m = moeq.load(path, "fp8", progress=False)
+    sd = {}
+    for f in path.glob("*.safetensors"):
+        sd.update(load_file(str(f)))
+    packed = packed_weights(m)
+    assert packed and all(isinstance(w, Fp8Weight) for w in packed.values())
+    checked = 0
+    for key, t in sd.items():
+        if t.dtype != torch.float8_e4m3fn:
+            continue
+        w = packed.get(key) or packed.get(key.removesuffix(".weight"))
+        if w is not None:  # a linear kept as stored
+            assert torch.equal(w.qdata, t.view(torch.uint8)) and torch.equal(
+                w.dequantize(torch.float32), dequantize(t, sd[key + "_scale_inv"], block, torch.float32))
+            checked += 1
+    assert checked >= 4
+    name, experts = next((n, e) for n, e in m.named_modules() if isinstance(e, QuantExperts))
+    assert isinstance(experts.w13, Fp8Weight)
+    layer = name.split(".layers.")[1].split(".")[0]
+    key = next(k for k in sd if f"layers.{layer}." in k and ".experts.1." in k and k.endswith(("gate_proj.weight",
+                                                                                              "w1.weight")))
+    gate = sd[key]
+    want = dequantize(gate, sd[key + "_scale_inv"], block, torch.float32)
+    assert torch.equal(experts.w13[1].row_slice(0, gate.shape[0]).dequantize(torch.float32), want)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 8, 9]])
+    ref = moeq.load(path, progress=False)
+    with torch.no_grad():
+        a, b = m(ids).logits.float(), ref(ids).logits.float()
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert kl.max() < 1e-3, kl.max()
+    moeq.save(m, tmp_path / "s")
+    back = moeq.load(tmp_path / "s", progress=False)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, m(ids).logits)
+
+
+def test_fp8_method_from_the_cli_and_for_bf16_sources(fp8_ckpt, tmp_path, capsys):
+    path = fp8_ckpt("qwen3_moe", (128, 128))
+    assert main(["quantize", str(path), str(tmp_path / "q"), "--method", "fp8"]) == 0
+    assert main(["inspect", str(tmp_path / "q"), "--json"]) == 0
+    assert "fp8" in capsys.readouterr().out
+    bf16 = moeq.tiny.make_checkpoint("qwen3_moe", tmp_path / "bf16")
+    m = moeq.load(bf16, "fp8", progress=False)
+    w = m.model.layers[0].self_attn.q_proj.qweight
+    src = load_file(str(next(bf16.glob("*.safetensors"))))["model.layers.0.self_attn.q_proj.weight"]
+    codes, s = fp8_block_quantize(src, (128, 128))
+    assert torch.equal(w.qdata, codes.view(torch.uint8)) and torch.equal(w.scale, s)
+
+
 def test_partial_edge_tiles_follow_deepseek_layout(fp8_ckpt):
     path = fp8_ckpt("deepseek_v3", (128, 128))  # kv_a_proj_with_mqa: 144 rows = one full and one partial tile
     sd = load_file(str(next(path.glob("*.safetensors"))))

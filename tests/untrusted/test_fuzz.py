@@ -193,7 +193,7 @@ def check(isolated, ckpt: Path, ref: Path, mutation, data, quant=None, dtype=Non
 
 # ---- the properties -----------------------------------------------------------------------------------------------
 SAVED_METHODS = ["rtn-int4", "rtn-int4-asym", "rtn-int8", "nf4", "int8", "iq4nl", "iq4nl-dq", "nl3", "q5_0", "q4_0",
-                 "q8_0"]
+                 "q8_0", "fp8"]
 COMPUTE = [None, None, "float16", "float32"]  # the saved bf16 compute, and fp16/fp32 over the same bf16 scales
 
 

@@ -9,7 +9,7 @@ Adding an RTN grid (a new value table or rounding on moeq's RTN storage, as ``mx
 one the table implies, a preset in :mod:`moeq.config`; the native codebook kernels, the describers and the GGUF
 exporter and reader then take it from the row.
 
-Adding a format (what rtn.py, bnb4.py and int8.py each follow):
+Adding a format (what rtn.py, bnb4.py, int8.py and fp8.py each follow):
 1. ``formats/<name>.py``: the weight class with ``dequantize_reference`` (plain torch, the ground truth),
    ``_problems`` (shapes/dtypes/statistics checked against its metadata, see ``PackedWeight.problems``),
    ``__getitem__`` (one expert) and optionally ``_dequantize_native``; ``quantize`` ending in ``check_result``.
@@ -26,12 +26,14 @@ Adding a format (what rtn.py, bnb4.py and int8.py each follow):
 6. Tests in ``tests/formats/test_<name>.py``: round trip and SQNR vs the reference, and parity with the engine's own
    library where one exists.
 """
-from moeq.formats import bnb4, int8, rtn
+from moeq.formats import bnb4, fp8, int8, rtn
 from moeq.formats.base import PackedWeight
 from moeq.formats.bnb4 import Bnb4Weight
+from moeq.formats.fp8 import Fp8Weight
 from moeq.formats.int8 import Int8Weight
 from moeq.formats.rtn import RTNWeight
 
-WEIGHT_TYPES: dict[str, type[PackedWeight]] = {c.format: c for c in (RTNWeight, Bnb4Weight, Int8Weight)}
+WEIGHT_TYPES: dict[str, type[PackedWeight]] = {c.format: c for c in (RTNWeight, Bnb4Weight, Int8Weight, Fp8Weight)}
 
-__all__ = ["bnb4", "int8", "rtn", "PackedWeight", "RTNWeight", "Bnb4Weight", "Int8Weight", "WEIGHT_TYPES"]
+__all__ = ["bnb4", "fp8", "int8", "rtn", "PackedWeight", "RTNWeight", "Bnb4Weight", "Int8Weight", "Fp8Weight",
+           "WEIGHT_TYPES"]

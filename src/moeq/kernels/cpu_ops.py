@@ -9,7 +9,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from moeq.formats import Bnb4Weight, Int8Weight, RTNWeight
+from moeq.formats import Bnb4Weight, Fp8Weight, Int8Weight, RTNWeight
 from moeq.formats.rtn import CODEBOOKS
 from moeq import native
 from moeq.kernels.registry import register
@@ -189,4 +189,22 @@ def int8_gemv(w: Int8Weight, x: torch.Tensor, bias: torch.Tensor | None,
     xf = x.reshape(m, k).float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     L.moeq_int8_gemv(native.ptr(xf), native.i64(m), native.ptr(w.weight), native.ptr(w.scb), native.i64(n), native.i64(k), native.ptr(y))
+    return _finish(y, x, n, bias)
+
+
+@register("fp8")
+def fp8_gemv(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None,
+             max_rows: int | None = None) -> torch.Tensor | None:
+    m = _rows(w, x, max_rows)
+    L = native.lib()
+    if m is None or L is None or not native.usable(w.qdata, w.scale):
+        return None
+    n, k = w.shape
+    native.fits((w.qdata, n * k), (w.scale, w.scale.numel() * 4))
+    if w.scale.numel() != -(-n // w.block[0]) * -(-k // w.block[1]):
+        return None
+    xf = x.reshape(m, k).float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    L.moeq_fp8_gemv(native.ptr(xf), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), native.i64(n),
+                    native.i64(k), native.i64(w.block[0]), native.i64(w.block[1]), native.ptr(y))
     return _finish(y, x, n, bias)

@@ -1,5 +1,6 @@
 """The native CPU library: C sources in ``csrc/`` (``moeq.h`` shared types and prototypes; ``quants.c``,
-``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c``, ``bf12.c`` split by concern),
+``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c``, ``bf12.c``, ``fp8.c``
+split by concern),
 compiled on first use with the system C compiler into one shared library in a per-user cache, and called through
 ctypes.
 
@@ -33,7 +34,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c", "bf12.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c", "bf12.c", "fp8.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h", "il16_rows.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -165,6 +166,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bf12_exceptions": (None, [_P, _I, _I, _P, _P, _P, _P]),
     "moeq_bf12_unpack": (None, [_B12, _I, _I, _P]),
     "moeq_bf12_gemv": (_INT, [_B12, _P, _I, _P]),
+    # fp8.c
+    "moeq_fp8_gemv": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _P]),
     # model.c
     "moeq_decode_step": (_I, [ctypes.POINTER(Model), _I, _P, _P, _I, _P, _I, _P, _P, _P, _P]),
     "moeq_argmax_bf16": (None, [_P, _I, _I, _P, _I, _P]),

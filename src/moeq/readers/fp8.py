@@ -8,7 +8,8 @@ tensor: each is dequantized when the stream reaches it (fused expert stacks one 
 times its fp32 scale in fp32, then the compute dtype — bit for bit the weights transformers' own FP8 dequantization
 gives (tested). The one streaming loop (:class:`~moeq.readers.state.LoadState`) then
 places or quantizes it like a bf16 source tensor, so an FP8 checkpoint loads as bf16 (no method) or quantized in
-flight to any moeq method, and ``moeq export FP8-DIR model.gguf --format gguf --method q4_0`` never holds more than
+flight to any moeq method; with the ``fp8`` method (:class:`~moeq.formats.fp8.Fp8Weight`) each 2-D FP8 weight is
+kept as stored instead — its codes and scales, nothing rounded — and runs on the native FP8 kernels, and ``moeq export FP8-DIR model.gguf --format gguf --method q4_0`` never holds more than
 one dequantized tensor besides the quantized model. Scales are validated before use: shape, finite, positive, and
 small enough that no dequantized weight can overflow the compute dtype (shapes and dtypes from the headers before
 anything is read, values as each scale is read); e4m3 NaN codes are refused.
@@ -23,8 +24,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moeq import native
-from moeq.config import QuantConfig
+from moeq.config import FP8, QuantConfig
 from moeq.errors import MoeqError
+from moeq.formats import fp8 as fp8_format
+from moeq.formats.fp8 import Fp8Weight
 from moeq.io.safetensors_io import Checkpoint, TensorInfo
 from moeq.readers.state import LoadState, compute_dtype
 
@@ -63,13 +66,7 @@ def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
                          dtype: torch.dtype) -> torch.Tensor:
     """``[..., N, K]`` e4m3 codes times their block's scale, computed in fp32, then cast to ``dtype`` (plain torch:
     the ground truth of the native kernel)."""
-    w = q.to(torch.float32)
-    s = scale_inv.to(torch.float32)
-    if block is None or s.numel() == 1:
-        return w.mul_(s.reshape(())).to(dtype)
-    n, k = w.shape[-2:]
-    s = s.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
-    return w.mul_(s).to(dtype)
+    return fp8_format.dequantize_reference(q, scale_inv, block or (1, 1), dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype,
@@ -186,6 +183,13 @@ class Fp8Source:
     def mmap(self, key: str) -> torch.Tensor:
         return self.read(key)
 
+    def read_packed(self, key: str) -> Fp8Weight:
+        """An FP8 weight as stored (codes and scales, validated): what an ``fp8`` plan keeps without rounding."""
+        q, block = self.ckpt.read(key), self.blocks[key]
+        s = self.ckpt.read(self.fp8[key])
+        self._check_values(self.ckpt.tensors[self.fp8[key]], s)
+        return fp8_format.from_checkpoint(q, s, block, self.dtype, f"{self.tensors[key].file}: {key}")
+
 
 def read(found, quant, dtype, progress: bool, source=None) -> nn.Module:
     """The :mod:`moeq.readers` entry: an FP8 checkpoint as its dequantized weights (no method: the compute dtype) or
@@ -194,8 +198,13 @@ def read(found, quant, dtype, progress: bool, source=None) -> nn.Module:
     src = source or Fp8Source(found.ckpt, block_size(found.qc, found.path), dtype, found.path)
     src.device = found.device
     state = LoadState(found.path, src, found.config, QuantConfig.of(quant or "none"), dtype)
+    kept = 0
     for key in tqdm(src.keys(), desc="loading+quantizing (FP8)", unit="tensor", disable=not progress):
-        state.route(key)
-    log.info("%s: %d FP8 e4m3 weights (block %s) dequantized in flight", found.path, len(src.fp8),
-             sorted(set(src.blocks.values()), key=str))
+        if key in src.fp8 and len(src.tensors[key].shape) == 2 and isinstance(state.planned(key), FP8):
+            state.put_packed(key, src.read_packed(key))  # kept as stored: codes and scales, no rounding
+            kept += 1
+        else:
+            state.route(key)
+    log.info("%s: %d FP8 e4m3 weights (block %s): %d kept as stored, the rest dequantized in flight", found.path,
+             len(src.fp8), sorted(set(src.blocks.values()), key=str), kept)
     return state.finish()

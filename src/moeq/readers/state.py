@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from moeq.arch import FUSED_KEY_RE, Arch, get_arch
-from moeq.config import QuantConfig
+from moeq.config import FormatConfig, QuantConfig
 from moeq.convert import ExpertsBuilder, activation_for, existing_bias, install_experts, plan, quantize_linear
 from moeq.convert import set_module
 from moeq.errors import CheckpointNotFound, MoeqError
@@ -263,6 +263,17 @@ class LoadState:
             self.pending_bias[mod_name] = b.to(lin.weight.dtype)
             return
         set_or_note_unused(self.model, name, self.ckpt.read(key), key, self.unused)
+
+    def planned(self, key: str) -> FormatConfig | None:
+        """The format this load's plan gives the weight ``key`` (an expert piece's slot, a planned linear's), None
+        for a tensor the plan leaves in the compute dtype or places as it is."""
+        name = self.arch.rename(key)
+        m = self.arch.expert_key_re.match(name)
+        if m and m["mod"] in self.builders and "e" in m.groupdict():
+            b = self.builders[m["mod"]]
+            return b.fmt2 if self.arch.proj_kind(m["proj"]) == "down" else b.fmt
+        mod_name, _, attr = name.rpartition(".")
+        return self.linears.get(mod_name) if attr == "weight" else None
 
     def _quantize_linear(self, mod_name: str, key: str, shape, weight) -> None:
         """A planned linear's weight (``weight()`` reads it once its shape checked), quantized by its plan."""

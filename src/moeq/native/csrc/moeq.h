@@ -7,6 +7,7 @@
 //         codebook grids (iq4nl 4-bit, nl3 3-bit, signed 5-bit): value = scale * values[code], no zero
 //   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
 //   int8: w int8 [N, K], scb fp32 [N]
+//   fp8:  q uint8 e4m3 [N, K], s fp32 [ceil(N/bn), ceil(K/bk)] (one scale per tile)
 #ifndef MOEQ_H
 #define MOEQ_H
 #include <math.h>
@@ -272,6 +273,8 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup,
                    const float* values, i64 N, i64 K, i64 gs, int bits, float* y);
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
+// ---- fp8.c ----
+void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk, float* y);
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch);  // internal
 // ---- exports (i8.c) ----
 int moeq_has_i8_dot(void);

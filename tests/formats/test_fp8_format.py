@@ -1,0 +1,95 @@
+"""The fp8 format (e4m3 codes, one fp32 scale per tile): transformers' own quantizer and dequantizer as the
+reference, the native dequantization and GEMV against plain torch, tile-straddling slices and joins."""
+import pytest
+import torch
+
+from moeq import kernels, native
+from moeq.config import METHODS, FP8, FormatConfig
+from moeq.errors import MoeqError
+from moeq.formats import WEIGHT_TYPES, Fp8Weight, fp8
+
+SHAPES = [((300, 520), (128, 128)), ((64, 256), (48, 80)), ((96, 130), (96, 130)), ((3, 40, 72), (16, 32))]
+
+
+@pytest.mark.parametrize("shape,block", SHAPES)
+def test_quantize_is_transformers_arithmetic(shape, block):
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=torch.bfloat16) * 0.05
+    q = fp8.quantize(w, block)
+    from moeq.tiny import fp8_block_quantize  # the fixtures' writer, itself checked against Fp8Quantize
+    codes, s = fp8_block_quantize(w, block)
+    assert torch.equal(q.qdata, codes.view(torch.uint8)) and torch.equal(q.scale, s)
+    assert q.bits_per_weight == 8 + 32 * q.scale.numel() / q.numel
+    err = (q.dequantize(torch.float32) - w.float()).norm() / w.float().norm()
+    assert err < 0.04  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("shape,block", SHAPES)
+def test_native_dequantize_equals_reference(shape, block):
+    torch.manual_seed(1)
+    q = fp8.quantize(torch.randn(shape), block)
+    for dt in (torch.float32, torch.bfloat16):
+        assert torch.equal(q.dequantize(dt), q.dequantize_reference(dt))
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C compiler: the native library is not built")
+@pytest.mark.parametrize("shape,block", SHAPES[:3])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_gemv_equals_reference(shape, block, m):
+    torch.manual_seed(2)
+    q = fp8.quantize(torch.randn(shape), block)
+    x = torch.randn(m, shape[1])
+    y = kernels.cpu_ops.fp8_gemv(q, x, None, max_rows=16)  # past the rows a small weight takes by default
+    assert y is not None and y.dtype == torch.float32
+    ref = x @ q.dequantize_reference(torch.float32).t()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    bias = torch.randn(shape[0])
+    torch.testing.assert_close(kernels.linear(q, x, bias), ref + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_every_e4m3_code_through_the_gemv():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(2)[:256].reshape(2, 128)  # every finite code, both rows
+    w = Fp8Weight(qdata=codes.contiguous(), scale=torch.tensor([[0.5]]), block=(2, 128), shape=(2, 128))
+    x = torch.randn(1, 128)
+    y = kernels.linear(w, x)
+    ref = x @ (codes.view(torch.float8_e4m3fn).float() * 0.5).t()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_slices_and_joins_off_tile_boundaries():
+    torch.manual_seed(3)
+    gate, up = fp8.quantize(torch.randn(40, 64), (16, 32)), fp8.quantize(torch.randn(40, 64), (16, 32))
+    joined = Fp8Weight.join([[gate, up], [up, gate]])  # 40 rows: the second piece starts inside a tile
+    assert joined.shape == (2, 80, 64) and joined.block == (1, 32)
+    ref = torch.cat([gate.dequantize(torch.float32), up.dequantize(torch.float32)])
+    assert torch.equal(joined[0].dequantize(torch.float32), ref)
+    assert torch.equal(joined[0].row_slice(40, 80).dequantize(torch.float32), ref[40:])
+    aligned = Fp8Weight.join([[fp8.quantize(torch.randn(32, 64), (16, 32))] * 2])
+    assert aligned.block == (16, 32) and aligned.scale.shape == (1, 4, 2)
+    inner = gate.row_slice(5, 37)
+    assert torch.equal(inner.dequantize(torch.float32), gate.dequantize(torch.float32)[5:37])
+
+
+def test_saved_metadata_round_trip_and_hostile_parts():
+    q = fp8.quantize(torch.randn(48, 64), (16, 32))
+    back = WEIGHT_TYPES["fp8"].from_untrusted(q.tensors(), q.meta(), "t")
+    assert torch.equal(back.dequantize(torch.float32), q.dequantize(torch.float32))
+    nan = q.qdata.clone()
+    nan[3, 5] = 0x7F
+    with pytest.raises(MoeqError, match="NaN"):
+        WEIGHT_TYPES["fp8"].from_untrusted({**q.tensors(), "qdata": nan}, q.meta(), "t")
+    with pytest.raises(MoeqError, match="scale"):
+        WEIGHT_TYPES["fp8"].from_untrusted({**q.tensors(), "scale": q.scale[:1]}, q.meta(), "t")
+    with pytest.raises(MoeqError, match="block"):
+        WEIGHT_TYPES["fp8"].from_untrusted(q.tensors(), {**q.meta(), "block": [0, 32]}, "t")
+    with pytest.raises(MoeqError, match="scale"):
+        WEIGHT_TYPES["fp8"].from_untrusted({**q.tensors(), "scale": q.scale * float("inf")}, q.meta(), "t")
+
+
+def test_config_round_trip():
+    assert isinstance(METHODS["fp8"], FP8) and METHODS["fp8"].block == (128, 128)
+    cfg = FormatConfig.from_dict(FP8((64, 32)).to_dict())
+    assert cfg == FP8((64, 32))
+    with pytest.raises(MoeqError, match="block"):
+        FP8((0, 3))
