@@ -21,6 +21,9 @@ QWEN3_30B_A3B = dict(hidden=2048, experts=128, top_k=8, moe_inter=768, heads=32,
                      vocab=151936)
 
 
+NAMED_METHODS = ("q4_0", "iq4nl", "iq4nl-dq", "nl3", "q8_0", "fp8", "mxfp4")  # as `moeq METHOD` systems
+
+
 def _presets(group_size: int = 128):
     import moeq  # noqa: PLC0415
 
@@ -29,10 +32,8 @@ def _presets(group_size: int = 128):
         "moeq rtn-int4": moeq.QuantConfig(moeq.RTN(4, gs), rules={"lm_head": moeq.RTN(8, gs)}),
         "moeq rtn-int8": moeq.QuantConfig(moeq.RTN(8, gs), rules={"lm_head": moeq.RTN(8, gs)}),
         "moeq nf4": moeq.QuantConfig(moeq.NF4(), rules={"lm_head": moeq.RTN(8, gs)}),
-        "moeq q4_0": moeq.QuantConfig(moeq.config.method("q4_0"), rules={"lm_head": moeq.RTN(8, gs)}),
-        "moeq iq4nl": moeq.QuantConfig(moeq.config.method("iq4nl"), rules={"lm_head": moeq.RTN(8, gs)}),
-        "moeq iq4nl-dq": moeq.QuantConfig(moeq.config.method("iq4nl-dq"), rules={"lm_head": moeq.RTN(8, gs)}),
-        "moeq nl3": moeq.QuantConfig(moeq.config.method("nl3"), rules={"lm_head": moeq.RTN(8, gs)}),
+        **{f"moeq {m}": moeq.QuantConfig(moeq.config.method(m), rules={"lm_head": moeq.RTN(8, gs)})
+           for m in NAMED_METHODS},
     }
 
 

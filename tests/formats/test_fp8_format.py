@@ -93,3 +93,29 @@ def test_config_round_trip():
     assert cfg == FP8((64, 32))
     with pytest.raises(MoeqError, match="block"):
         FP8((0, 3))
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C compiler: the native library is not built")
+def test_experts_take_the_fused_native_decode():
+    """fp8 expert stacks are described for the one-call MoE kernels (moe.c's FP8 row): decode runs every routed
+    expert in one native call, equal to dequantize + matmul per expert."""
+    from moeq.kernels.plans import experts_route
+    from moeq.nn import QuantExperts
+    from moeq.nn.experts import Activation
+    torch.manual_seed(4)
+    e, i, h = 4, 48, 64  # 48 rows: gate/up tiles of 32 straddle the seam
+    w13 = fp8.quantize(torch.randn(e, 2 * i, h) * 0.05, (32, 32))
+    w2 = fp8.quantize(torch.randn(e, h, i) * 0.05, (32, 32))
+    m = QuantExperts(w13, w2, Activation())
+    assert experts_route(m, torch.float32).decode
+    x = torch.randn(3, h)
+    idx = torch.tensor([[0, 2], [1, 3], [2, 2]])
+    wts = torch.rand(3, 2)
+    y = m(x, idx, wts)
+    ref = torch.zeros(3, h)
+    for t in range(3):
+        for j in range(2):
+            a = w13[int(idx[t, j])].dequantize(torch.float32) @ x[t]
+            g = torch.nn.functional.silu(a[:i]) * a[i:]
+            ref[t] += wts[t, j] * (w2[int(idx[t, j])].dequantize(torch.float32) @ g)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)

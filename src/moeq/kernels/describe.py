@@ -9,7 +9,7 @@ import functools
 import torch
 
 from moeq import native
-from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
+from moeq.formats import Bnb4Weight, Fp8Weight, PackedWeight, RTNWeight
 from moeq.formats.rtn import CODEBOOK_BITS, CODEBOOKS, grid_values, native_values
 from moeq.kernels.registry import by_format
 from moeq.native import Fmt, WStack
@@ -160,3 +160,15 @@ def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: 
                   nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
 
 
+
+
+@describer("fp8")
+def _describe_fp8(w: Fp8Weight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
+    bn, bk = w.block
+    tiles = -(-n // bn) * -(-k // bk)
+    if not native.usable(w.qdata, w.scale) or w.scale.numel() != e * tiles:
+        return None
+    native.fits((w.qdata, e * n * k), (w.scale, e * tiles * 4))
+    keep += [w.qdata, w.scale]
+    return WStack(fmt=Fmt.FP8, dot_bf16=0, q=w.qdata.data_ptr(), scale=w.scale.data_ptr(), scale_bf16=0, absmax_u8=0,
+                  zero=None, bits=8, gs=bk, spe=1, N=n, K=k, bn=bn)

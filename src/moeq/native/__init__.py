@@ -63,6 +63,7 @@ class Fmt(enum.IntEnum):
     """``enum moeq_fmt``: the packed formats the fused kernels take."""
     RTN = 0
     BNB4 = 1
+    FP8 = 2
 
 
 class WStack(ctypes.Structure):
@@ -73,7 +74,8 @@ class WStack(ctypes.Structure):
                 ("offset", ctypes.c_void_p), ("nested_absmax", ctypes.c_void_p), ("nested_code", ctypes.c_void_p),
                 ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("values", ctypes.c_void_p),
                 ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p), ("act_i8", ctypes.c_int),
-                ("rows16", ctypes.c_void_p), ("rows16_layout", ctypes.c_int), ("il16", ctypes.c_int)]
+                ("rows16", ctypes.c_void_p), ("rows16_layout", ctypes.c_int), ("il16", ctypes.c_int),
+                ("bn", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

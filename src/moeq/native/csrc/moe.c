@@ -111,6 +111,11 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
     if (w->rows16 && e == 0 && moeq_rows16_gemv(w, x, m, y)) return;      // a decode copy by 16 output rows (head)
     if (w->act_i8 && moeq_i8_gemv(w, e, x, m, y)) return;                  // the int8-activation option
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
+    if (w->fmt == MOEQ_FMT_FP8) {  // e4m3 codes, one fp32 scale per (bn x gs) tile (fp8.c)
+        const i64 tiles = ((N + w->bn - 1) / w->bn) * ((K + w->gs - 1) / w->gs);
+        moeq_fp8_gemv(x, m, w->q + e * N * K, (const float*)w->scale + e * tiles, N, K, w->bn, w->gs, y);
+        return;
+    }
     if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 3/4/5-bit codebook grid
         const i64 G = K / w->gs;
         const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);

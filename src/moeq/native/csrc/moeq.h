@@ -193,7 +193,7 @@ static inline void x_to_i16_32(const float* x, i64 K, int split, int16_t* xq, fl
 }
 
 // The packed-weight formats the fused kernels take (mirrored by moeq.native.Fmt).
-enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1 };
+enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1, MOEQ_FMT_FP8 = 2 };
 
 // One weight (or expert stack [E, N, K]) described for the fused kernels (mirrored by moeq.native.WStack).
 typedef struct {
@@ -219,6 +219,7 @@ typedef struct {
     const uint8_t* rows16;       // one 8-bit weight interleaved by 16 output rows for decode (rows16.c) or NULL
     int rows16_layout;           // ... its layout: 1 int16 activations (default numerics), 2 int8 (act_i8)
     int il16;                    // 4-bit expert stacks: q/scale in the decode layout il16 (il16_rows.h), not row-major
+    i64 bn;                      // fp8: rows per scale tile (gs: its columns); scale fp32 [E, ceil(N/bn), ceil(K/gs)]
 } moeq_wstack;
 
 // ---- exports (quants.c) ----
