@@ -8,7 +8,8 @@ from moeq.config import METHODS, FP8, FormatConfig
 from moeq.errors import MoeqError
 from moeq.formats import WEIGHT_TYPES, Fp8Weight, fp8
 
-SHAPES = [((300, 520), (128, 128)), ((64, 256), (48, 80)), ((96, 130), (96, 130)), ((3, 40, 72), (16, 32))]
+SHAPES = [((300, 520), (128, 128)), ((64, 256), (48, 80)), ((96, 130), (96, 130)), ((80, 192), (32, 64)),
+          ((3, 40, 72), (16, 32))]
 
 
 @pytest.mark.parametrize("shape,block", SHAPES)
@@ -33,28 +34,50 @@ def test_native_dequantize_equals_reference(shape, block):
 
 
 @pytest.mark.skipif(native.lib() is None, reason="no C compiler: the native library is not built")
-@pytest.mark.parametrize("shape,block", SHAPES[:3])
+@pytest.mark.parametrize("shape,block", SHAPES[:4])
 @pytest.mark.parametrize("m", [1, 3, 9])
-def test_gemv_equals_reference(shape, block, m):
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_gemv_equals_reference(shape, block, m, xdtype):
+    """fp32 activations: the fp16-conversion kernel; bf16 ones: the AVX512-BF16 kernel where the build has it (bk and
+    K multiples of 32), else the same fp32 kernel. Products are exact either way; sums in fp32."""
     torch.manual_seed(2)
     q = fp8.quantize(torch.randn(shape), block)
-    x = torch.randn(m, shape[1])
+    x = torch.randn(m, shape[1]).to(xdtype)
+    out = torch.empty(m, shape[0], dtype=torch.float32)
+    args = (native.ptr(q.qdata), native.ptr(q.scale), shape[0], shape[1], block[0], block[1], native.ptr(out))
+    ref = x.float() @ q.dequantize_reference(torch.float32).t()
+    if xdtype == torch.float32:
+        native.lib().moeq_fp8_gemv(native.ptr(x), m, *args)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    else:  # taken exactly inside its domain (then exact products), declined outside it (fp32 kernel)
+        domain = native.has_dpbf16() and shape[1] % 32 == 0 and block[1] % 32 == 0
+        assert bool(native.lib().moeq_fp8_gemv_bf16(native.ptr(x), m, *args)) == domain
+        if domain:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     y = kernels.cpu_ops.fp8_gemv(q, x, None, max_rows=16)  # past the rows a small weight takes by default
-    assert y is not None and y.dtype == torch.float32
-    ref = x @ q.dequantize_reference(torch.float32).t()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
-    bias = torch.randn(shape[0])
-    torch.testing.assert_close(kernels.linear(q, x, bias), ref + bias, rtol=1e-5, atol=1e-4)
+    assert y is not None and y.dtype == xdtype
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2 if xdtype == torch.bfloat16 else 1e-5, atol=1e-4)
+    bias = torch.randn(shape[0]).to(xdtype)
+    torch.testing.assert_close(kernels.linear(q, x, bias).float(), (ref + bias.float()).to(xdtype).float(),
+                               rtol=1e-2 if xdtype == torch.bfloat16 else 1e-5,
+                               atol=0.5 if xdtype == torch.bfloat16 else 1e-4)  # bf16: y and y + bias each rounded
 
 
-def test_every_e4m3_code_through_the_gemv():
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_every_e4m3_code_through_the_gemv(xdtype):
+    """Every finite code (subnormals, both signs, 448) against torch's own e4m3 decoding, through both kernels."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].repeat(2)[:256].reshape(2, 128)  # every finite code, both rows
     w = Fp8Weight(qdata=codes.contiguous(), scale=torch.tensor([[0.5]]), block=(2, 128), shape=(2, 128))
-    x = torch.randn(1, 128)
-    y = kernels.linear(w, x)
-    ref = x @ (codes.view(torch.float8_e4m3fn).float() * 0.5).t()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    x = torch.randn(1, 128).to(xdtype)
+    ref = x.float() @ (codes.view(torch.float8_e4m3fn).float() * 0.5).t()
+    out = torch.empty(1, 2)
+    args = (native.ptr(w.qdata), native.ptr(w.scale), 2, 128, 2, 128, native.ptr(out))
+    if xdtype == torch.bfloat16 and native.lib().moeq_fp8_gemv_bf16(native.ptr(x), 1, *args):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    xf = x.float().contiguous()
+    native.lib().moeq_fp8_gemv(native.ptr(xf), 1, *args)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_slices_and_joins_off_tile_boundaries():

@@ -203,8 +203,13 @@ def fp8_gemv(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None,
     native.fits((w.qdata, n * k), (w.scale, w.scale.numel() * 4))
     if w.scale.numel() != -(-n // w.block[0]) * -(-k // w.block[1]):
         return None
-    xf = x.reshape(m, k).float().contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    L.moeq_fp8_gemv(native.ptr(xf), native.i64(m), native.ptr(w.qdata), native.ptr(w.scale), native.i64(n),
-                    native.i64(k), native.i64(w.block[0]), native.i64(w.block[1]), native.ptr(y))
+    args = (native.ptr(w.qdata), native.ptr(w.scale), native.i64(n), native.i64(k), native.i64(w.block[0]),
+            native.i64(w.block[1]), native.ptr(y))
+    if x.dtype == torch.bfloat16:  # bf16 activations (exact): the AVX512-BF16 kernel where the build has it
+        xb = x.reshape(m, k).contiguous()
+        if L.moeq_fp8_gemv_bf16(native.ptr(xb), native.i64(m), *args):
+            return _finish(y, x, n, bias)
+    xf = x.reshape(m, k).float().contiguous()
+    L.moeq_fp8_gemv(native.ptr(xf), native.i64(m), *args)
     return _finish(y, x, n, bias)

@@ -170,6 +170,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bf12_gemv": (_INT, [_B12, _P, _I, _P]),
     # fp8.c
     "moeq_fp8_gemv": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _P]),
+    "moeq_fp8_gemv_bf16": (_INT, [_P, _I, _P, _P, _I, _I, _I, _I, _P]),
     # model.c
     "moeq_decode_step": (_I, [ctypes.POINTER(Model), _I, _P, _P, _I, _P, _I, _P, _P, _P, _P]),
     "moeq_argmax_bf16": (None, [_P, _I, _I, _P, _I, _P]),

@@ -71,3 +71,63 @@ void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 
         }
     }
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 32 e4m3 bytes as 32 bf16 words, exactly: normals by moving the bits (exponent + 120), the 8 subnormals (m * 2^-9,
+// exponent bits 0) from a table, the sign last.
+static inline __m512i e4m3_bf16x32(const uint8_t* p, __m512i sub) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
+    __m512i t = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
+                                 _mm512_set1_epi16(120 << 7));
+    const __mmask32 normal = _mm512_test_epi16_mask(b, _mm512_set1_epi16(0x78));
+    t = _mm512_mask_blend_epi16(normal, _mm512_permutexvar_epi16(b, sub), t);  // index b & 31 = m where e == 0
+    return _mm512_ternarylogic_epi32(t, _mm512_slli_epi16(b, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+#endif
+
+// y[M, N] = x[M, K] @ dequant(W)^T with x as bf16 (a bf16 model's activations, exact): the weights converted to bf16
+// (exact: every e4m3 value is a bf16) and multiplied by AVX512-BF16 pair dot products, 32 weights per instruction.
+// Returns 0 (nothing written) without AVX512-BF16 or where K or the tile width bk is not a multiple of 32.
+int moeq_fp8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk,
+                       float* y) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (K % 32 || bk % 32 || M <= 0) return 0;
+    uint16_t tab[32] = {0};
+    for (int m = 0; m < 8; m++) {
+        const float v = ldexpf((float)m, -9);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        tab[m] = (uint16_t)(u >> 16);  // exact: 3 significant bits
+    }
+    const __m512i sub = _mm512_loadu_si512(tab);
+    const i64 TK = (K + bk - 1) / bk;
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const uint8_t* qq = q + n * K;
+        const float* ss = s + (n / bn) * TK;
+        for (i64 m0 = 0; m0 < M; m0 += FP8_ROWS) {
+            const i64 mc = M - m0 < FP8_ROWS ? M - m0 : FP8_ROWS;
+            const uint16_t* xm = xb + m0 * K;
+            __m512 acc[FP8_ROWS];
+            for (i64 m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
+            for (i64 t = 0; t < TK; t++) {
+                const i64 k0 = t * bk, k1 = k0 + bk < K ? k0 + bk : K;
+                __m512 v[FP8_ROWS];
+                for (i64 m = 0; m < mc; m++) v[m] = _mm512_setzero_ps();
+                for (i64 k = k0; k < k1; k += 32) {
+                    const __m512bh w = (__m512bh)e4m3_bf16x32(qq + k, sub);
+                    for (i64 m = 0; m < mc; m++)
+                        v[m] = _mm512_dpbf16_ps(v[m], w, (__m512bh)_mm512_loadu_si512(xm + m * K + k));
+                }
+                const __m512 sc = _mm512_set1_ps(ss[t]);
+                for (i64 m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(v[m], sc, acc[m]);
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]);
+        }
+    }
+    return 1;
+#else
+    (void)xb, (void)M, (void)q, (void)s, (void)N, (void)K, (void)bn, (void)bk, (void)y;
+    return 0;
+#endif
+}

@@ -113,7 +113,14 @@ static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
     if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
     if (w->fmt == MOEQ_FMT_FP8) {  // e4m3 codes, one fp32 scale per (bn x gs) tile (fp8.c)
         const i64 tiles = ((N + w->bn - 1) / w->bn) * ((K + w->gs - 1) / w->gs);
-        moeq_fp8_gemv(x, m, w->q + e * N * K, (const float*)w->scale + e * tiles, N, K, w->bn, w->gs, y);
+        const uint8_t* q = w->q + e * N * K;
+        const float* s = (const float*)w->scale + e * tiles;
+        if (w->dot_bf16) {  // a bf16 model: its activations are bf16 already (exact)
+            uint16_t* xb = (uint16_t*)scratch;
+            for (i64 i = 0; i < m * K; i++) xb[i] = f2bf(x[i]);
+            if (moeq_fp8_gemv_bf16(xb, m, q, s, N, K, w->bn, w->gs, y)) return;
+        }
+        moeq_fp8_gemv(x, m, q, s, N, K, w->bn, w->gs, y);
         return;
     }
     if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 3/4/5-bit codebook grid

@@ -276,6 +276,8 @@ void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, i
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
 // ---- fp8.c ----
 void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk, float* y);
+int moeq_fp8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk,
+                       float* y);
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch);  // internal
 // ---- exports (i8.c) ----
 int moeq_has_i8_dot(void);
