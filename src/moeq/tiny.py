@@ -117,18 +117,14 @@ FP8_SKIP = ("embed_tokens", "lm_head", "norm", ".gate.weight", "router", "shared
 
 
 def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 block quantization of ``[..., N, K]`` as transformers' ``Fp8Quantize`` computes it: per ``block`` tile
-    ``scale = 448 / amax`` (1 for an all-zero tile), codes ``e4m3(w * scale)``, stored ``scale_inv = 1 / scale``;
-    edge tiles cover what remains (``ceil`` tiles, DeepSeek's layout)."""
-    n, k = w.shape[-2:]
-    bn, bk = block
-    tn, tk = -(-n // bn), -(-k // bk)
-    wp = torch.nn.functional.pad(w.float(), (0, tk * bk - k, 0, tn * bn - n))
-    tiles = wp.unflatten(-1, (tk, bk)).unflatten(-3, (tn, bn))  # [..., tn, bn, tk, bk]
-    amax = tiles.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
-    q = (tiles * scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.flatten(-4, -3).flatten(-2)[..., :n, :k].contiguous(), (1.0 / scale).float().contiguous()
+    """FP8 block quantization of ``[..., N, K]`` as transformers' ``Fp8Quantize`` computes it (moeq's ``fp8``
+    rounding, :func:`moeq.formats.fp8.quantize`): per ``block`` tile ``scale = 448 / amax`` (1 for an all-zero tile),
+    codes ``e4m3(w * scale)``, stored ``scale_inv = 1 / scale``; edge tiles cover what remains (``ceil`` tiles,
+    DeepSeek's layout). Returns the e4m3 codes and ``scale_inv``."""
+    from moeq.formats import fp8  # noqa: PLC0415
+
+    q = fp8.quantize(w, block)
+    return q.qdata.view(torch.float8_e4m3fn), q.scale
 
 
 def make_fp8_checkpoint(model_type: str, out: str | os.PathLike, block: tuple[int, int] | None = (128, 128),

@@ -14,12 +14,20 @@ SHAPES = [((300, 520), (128, 128)), ((64, 256), (48, 80)), ((96, 130), (96, 130)
 
 @pytest.mark.parametrize("shape,block", SHAPES)
 def test_quantize_is_transformers_arithmetic(shape, block):
+    """Per tile s = 448 / amax, codes e4m3(w * s), stored 1 / s (transformers' Fp8Quantize; the tiny fixtures' writer
+    uses this quantizer and tests/models/test_fp8.py checks it against Fp8Quantize itself), recomputed here in plain
+    torch over the padded tiles."""
     torch.manual_seed(0)
     w = torch.randn(shape, dtype=torch.bfloat16) * 0.05
     q = fp8.quantize(w, block)
-    from moeq.tiny import fp8_block_quantize  # the fixtures' writer, itself checked against Fp8Quantize
-    codes, s = fp8_block_quantize(w, block)
-    assert torch.equal(q.qdata, codes.view(torch.uint8)) and torch.equal(q.scale, s)
+    n, k = shape[-2:]
+    for i in range(0, n, block[0]):
+        for j in range(0, k, block[1]):
+            tile = w[..., i:i + block[0], j:j + block[1]].float()
+            s = 448.0 / tile.abs().amax(dim=(-2, -1), keepdim=True)
+            codes = (tile * s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            assert torch.equal(q.qdata[..., i:i + block[0], j:j + block[1]], codes)
+            assert torch.equal(q.scale[..., i // block[0], j // block[1]], (1.0 / s).reshape(s.shape[:-2]))
     assert q.bits_per_weight == 8 + 32 * q.scale.numel() / q.numel
     err = (q.dequantize(torch.float32) - w.float()).norm() / w.float().norm()
     assert err < 0.04  # e4m3: 3 mantissa bits
