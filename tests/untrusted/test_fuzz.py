@@ -250,21 +250,29 @@ def _reference(isolated, tmp_path_factory, src, quant=None):
     return src, ref
 
 
-@pytest.fixture(scope="module")
-def fp8_ref(isolated, tmp_path_factory):
-    from moeq.tiny import make_fp8_checkpoint
+@pytest.fixture(scope="module", params=["deepseek:q4_0", "deepseek:fp8", "ct-group:fp8"])
+def fp8_ref(request, isolated, tmp_path_factory):
+    """An FP8 checkpoint and the method it loads with: DeepSeek's layout (tiles with partial edges) quantized in
+    flight or kept as stored; compressed-tensors' group-scaled FP8 (llm-compressor's layout) kept as stored."""
+    from moeq.tiny import make_checkpoint, make_fp8_checkpoint, to_ct_fp8
 
-    src = make_fp8_checkpoint("qwen3_moe", tmp_path_factory.mktemp("fp8src") / "c", block=(48, 80))
-    return _reference(isolated, tmp_path_factory, src, "q4_0")
+    kind, quant = request.param.split(":")
+    d = tmp_path_factory.mktemp("fp8src")
+    if kind == "deepseek":
+        src = make_fp8_checkpoint("qwen3_moe", d / "c", block=(48, 80))
+    else:
+        src = to_ct_fp8(make_checkpoint("mixtral", d / "bf16"), d / "c", "group", 32)
+    return (*_reference(isolated, tmp_path_factory, src, quant), quant)
 
 
 @FUZZ
 @given(data=st.data())
 def test_fuzz_fp8_source(fp8_ref, isolated, data):
-    """An FP8 block-scaled checkpoint (e4m3 codes, scale_inv tiles with partial edges), quantized in flight."""
-    src, ref = fp8_ref
+    """FP8 checkpoints (e4m3 codes; scale_inv tiles with partial edges, or compressed-tensors' group scales), quantized
+    in flight or kept as stored."""
+    src, ref, quant = fp8_ref
     mutation = data.draw(st.sampled_from([m_header, m_tensor, m_tensor, m_config]), label="how")
-    check(isolated, src, ref, mutation, data, quant="q4_0")
+    check(isolated, src, ref, mutation, data, quant=quant)
 
 
 @pytest.fixture(scope="module")
