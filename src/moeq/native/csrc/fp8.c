@@ -85,6 +85,86 @@ static inline __m512i e4m3_bf16x32(const uint8_t* p, __m512i sub) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// 64 e4m3 bytes as 64 bf16 words by two byte-table lookups (the high and low byte of each magnitude's bf16, 128
+// entries each: vpermi2b ignores the sign bit), the sign put back, then interleaved within 128-bit lanes: *a holds
+// weights {0-7, 16-23, 32-39, 48-55} of the chunk, *b the others (x is permuted the same way: fp8_x_perm64).
+static inline void e4m3_bf16x64(const uint8_t* p, const __m512i* hi, const __m512i* lo, __m512i* a, __m512i* b) {
+    const __m512i q = _mm512_loadu_si512(p);
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi[0], q, hi[1]), q,
+                                                _mm512_set1_epi8((char)0x80), 0xF8);
+    const __m512i l = _mm512_permutex2var_epi8(lo[0], q, lo[1]);
+    *a = _mm512_unpacklo_epi8(l, h);
+    *b = _mm512_unpackhi_epi8(l, h);
+}
+
+static void fp8_x_perm64(const uint16_t* x, i64 K, uint16_t* out) {
+    for (i64 c = 0; c < K; c += 64)
+        for (int j = 0; j < 32; j++) {
+            out[c + j] = x[c + (j / 8) * 16 + j % 8];
+            out[c + 32 + j] = x[c + (j / 8) * 16 + 8 + j % 8];
+        }
+}
+
+// One weight row against mc rows of permuted x (mc a constant where inlined: accumulators stay in registers).
+static inline __attribute__((always_inline)) void fp8_row64(const uint8_t* qq, const float* ss, const uint16_t* xm,
+                                                            i64 K, i64 bk, i64 TK, const __m512i* hi,
+                                                            const __m512i* lo, const int mc, i64 N, float* yo) {
+    __m512 acc[FP8_ROWS], v[FP8_ROWS];
+    for (int m = 0; m < mc; m++) acc[m] = _mm512_setzero_ps();
+    for (i64 t = 0; t < TK; t++) {
+        const i64 k0 = t * bk, k1 = k0 + bk < K ? k0 + bk : K;
+        for (int m = 0; m < mc; m++) v[m] = _mm512_setzero_ps();
+        for (i64 k = k0; k < k1; k += 64) {
+            __m512i a, b;
+            e4m3_bf16x64(qq + k, hi, lo, &a, &b);
+            for (int m = 0; m < mc; m++) {
+                v[m] = _mm512_dpbf16_ps(v[m], (__m512bh)a, (__m512bh)_mm512_loadu_si512(xm + m * K + k));
+                v[m] = _mm512_dpbf16_ps(v[m], (__m512bh)b, (__m512bh)_mm512_loadu_si512(xm + m * K + k + 32));
+            }
+        }
+        const __m512 sc = _mm512_set1_ps(ss[t]);
+        for (int m = 0; m < mc; m++) acc[m] = _mm512_fmadd_ps(v[m], sc, acc[m]);
+    }
+    for (int m = 0; m < mc; m++) yo[m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+static int fp8_gemv_bf16_64(const uint16_t* xb, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn,
+                            i64 bk, float* y) {
+    uint8_t th[128], tl[128];
+    for (int i = 0; i < 128; i++) {  // the bf16 bits of every e4m3 magnitude (exact: 3 significant bits)
+        const int e = i >> 3, m = i & 7;
+        const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        th[i] = (uint8_t)(u >> 24), tl[i] = (uint8_t)(u >> 16);
+    }
+    const __m512i hi[2] = {_mm512_loadu_si512(th), _mm512_loadu_si512(th + 64)};
+    const __m512i lo[2] = {_mm512_loadu_si512(tl), _mm512_loadu_si512(tl + 64)};
+    uint16_t* xp = (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
+    if (!xp) return 0;
+    for (i64 r = 0; r < M; r++) fp8_x_perm64(xb + r * K, K, xp + r * K);
+    const i64 TK = (K + bk - 1) / bk;
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const uint8_t* qq = q + n * K;
+        const float* ss = s + (n / bn) * TK;
+        for (i64 m0 = 0; m0 < M; m0 += FP8_ROWS) {
+            const uint16_t* xm = xp + m0 * K;
+            float* yo = y + m0 * N + n;
+            switch (M - m0 < FP8_ROWS ? M - m0 : FP8_ROWS) {
+#define FP8_CASE(c) \
+    case c: fp8_row64(qq, ss, xm, K, bk, TK, hi, lo, c, N, yo); break;
+                FP8_CASE(1) FP8_CASE(2) FP8_CASE(3) FP8_CASE(4) FP8_CASE(5) FP8_CASE(6) FP8_CASE(7) FP8_CASE(8)
+#undef FP8_CASE
+            }
+        }
+    }
+    free(xp);
+    return 1;
+}
+#endif
+
 // y[M, N] = x[M, K] @ dequant(W)^T with x as bf16 (a bf16 model's activations, exact): the weights converted to bf16
 // (exact: every e4m3 value is a bf16) and multiplied by AVX512-BF16 pair dot products, 32 weights per instruction.
 // Returns 0 (nothing written) without AVX512-BF16 or where K or the tile width bk is not a multiple of 32.
@@ -92,6 +172,9 @@ int moeq_fp8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const float*
                        float* y) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (K % 32 || bk % 32 || M <= 0) return 0;
+#if defined(__AVX512VBMI__)
+    if (K % 64 == 0 && bk % 64 == 0) return fp8_gemv_bf16_64(xb, M, q, s, N, K, bn, bk, y);  // 64 per two lookups
+#endif
     uint16_t tab[32] = {0};
     for (int m = 0; m < 8; m++) {
         const float v = ldexpf((float)m, -9);
