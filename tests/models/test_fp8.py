@@ -229,7 +229,8 @@ def test_inspect_names_the_source(fp8_ckpt, capsys):
     assert src["reader"] == "fp8" and src["weight_block_size"] == [128, 128] and src["fp8_weights"] > 0
     assert "dequantized" in src["without_method"] and "re-quantized" in src["with_method"]
     assert main(["inspect", str(fp8_ckpt("qwen3_moe"))]) == 0
-    assert "source: fp8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "source: fp8" in out and "M = fp8: 2-D FP8 weights kept as stored" in out
 
 
 def test_fused_expert_stacks(tmp_path):

@@ -87,13 +87,15 @@ SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (witho
     "gguf": ("GGML blocks moeq holds (Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4) run as stored; other types decoded by gguf-py",
              "refused: already quantized"),
     "moeq": ("run as saved", "refused: already quantized"),
-    "fp8": ("FP8 weights dequantized (x scale tile) to the compute dtype", "FP8 weights dequantized and re-quantized "
-            "with M in flight"),
+    "fp8": ("FP8 weights dequantized (x scale tile) to the compute dtype", "M = fp8: 2-D FP8 weights kept as stored "
+            "(e4m3 codes + scale tiles, native kernels); any other M: FP8 weights dequantized and re-quantized with M "
+            "in flight"),
     "mxfp4": ("experts run as stored (moeq's mxfp4 grid)", "experts dequantized and re-quantized with M; bf16 linears "
               "quantized with M"),
     "compressed-tensors": ("pack-quantized weights run as stored (RTN); float-quantized (FP8) weights dequantized "
                            "(x weight_scale) to the compute dtype", "pack-quantized: refused (already quantized); "
-                           "float-quantized: FP8 weights dequantized and re-quantized with M in flight"),
+                           "float-quantized: M = fp8 keeps the FP8 weights as stored, any other M re-quantizes them "
+                           "in flight"),
     "gptq/awq": ("int4/int8 weights run as stored (RTN: vllm grid or asym, exact); act-order GPTQ refused",
                  "weights dequantized exactly and re-quantized with M in flight"),
     "bitsandbytes": ("4/8-bit states run as stored; bf16 experts quantized with the checkpoint's settings",
