@@ -12,6 +12,7 @@ slice from inside a tile) take one scale row per weight row: the same values, a 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -46,6 +47,27 @@ def dequantize_reference(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     n, k = w.shape[-2:]
     s = s.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
     return w.mul_(s).to(dtype)
+
+
+def dequantize_native(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`dequantize_reference`'s values by ``moeq_fp8_dequant`` (one pass) into ``out`` or a new ``dtype``
+    (bf16 or fp32) tensor: ``q`` contiguous uint8 e4m3 bytes, ``scale`` contiguous fp32 tiles. None without the
+    native library; e4m3 NaN codes raise."""
+    from moeq import native  # noqa: PLC0415
+
+    L = native.lib()
+    if L is None or q.dim() < 2 or not native.usable(q, scale):
+        return None
+    n, k = q.shape[-2:]
+    lead = q.numel() // (n * k)
+    out = torch.empty(q.shape, dtype=dtype) if out is None else out
+    native.fits((q, q.numel()), (scale, lead * math.prod(tiles((n, k), block)) * 4))
+    native.fits_out(out, dtype, q.numel())
+    if L.moeq_fp8_dequant(native.ptr(q), native.ptr(scale), lead, n, k, block[0], block[1], native.ptr(out),
+                          int(dtype == torch.bfloat16)):
+        raise MoeqError("e4m3 NaN codes (0x7F/0xFF) in an FP8 weight")
+    return out
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -104,20 +126,7 @@ class Fp8Weight(PackedWeight):
             scale=torch.stack([torch.cat([p.scale for p in g]) for g in groups]))
 
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
-        from moeq import native  # noqa: PLC0415
-
-        L = native.lib()
-        if L is None or not native.usable(self.qdata, self.scale):
-            return None
-        n, k = self.shape[-2:]
-        lead = self.numel // (n * k)
-        out = torch.empty(self.shape, dtype=dtype) if out is None else out
-        native.fits((self.qdata, self.numel), (self.scale, self.scale.numel() * 4))
-        native.fits_out(out, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, self.numel)
-        if L.moeq_fp8_dequant(native.ptr(self.qdata), native.ptr(self.scale), lead, n, k, self.block[0],
-                              self.block[1], native.ptr(out), int(dtype == torch.bfloat16)):
-            raise MoeqError("an fp8 weight holds e4m3 NaN codes")
-        return out
+        return dequantize_native(self.qdata, self.scale, self.block, dtype, out)
 
     def dequantize_reference(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_reference(self.qdata, self.scale, self.block, dtype or self.dtype)

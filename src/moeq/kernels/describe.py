@@ -160,8 +160,6 @@ def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: 
                   nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
 
 
-
-
 @describer("fp8")
 def _describe_fp8(w: Fp8Weight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
     bn, bk = w.block
@@ -170,5 +168,5 @@ def _describe_fp8(w: Fp8Weight, e: int, n: int, k: int, keep: list, dot_bf16: bo
         return None
     native.fits((w.qdata, e * n * k), (w.scale, e * tiles * 4))
     keep += [w.qdata, w.scale]
-    return WStack(fmt=Fmt.FP8, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(), scale_bf16=0, absmax_u8=0,
-                  zero=None, bits=8, gs=bk, spe=1, N=n, K=k, bn=bn)
+    return WStack(fmt=Fmt.FP8, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(), scale_bf16=0,
+                  absmax_u8=0, zero=None, bits=8, gs=bk, spe=1, N=n, K=k, bn=bn)

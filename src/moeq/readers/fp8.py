@@ -9,8 +9,9 @@ times its fp32 scale in fp32, then the compute dtype — bit for bit the weights
 gives (tested). The one streaming loop (:class:`~moeq.readers.state.LoadState`) then
 places or quantizes it like a bf16 source tensor, so an FP8 checkpoint loads as bf16 (no method) or quantized in
 flight to any moeq method; with the ``fp8`` method (:class:`~moeq.formats.fp8.Fp8Weight`) each 2-D FP8 weight is
-kept as stored instead — its codes and scales, nothing rounded — and runs on the native FP8 kernels, and ``moeq export FP8-DIR model.gguf --format gguf --method q4_0`` never holds more than
-one dequantized tensor besides the quantized model. Scales are validated before use: shape, finite, positive, and
+kept as stored instead — its codes and scales, nothing rounded — and runs on the native FP8 kernels. ``moeq export
+FP8-DIR model.gguf --format gguf --method q4_0`` never holds more than one dequantized tensor besides the quantized
+model. Scales are validated before use: shape, finite, positive, and
 small enough that no dequantized weight can overflow the compute dtype (shapes and dtypes from the headers before
 anything is read, values as each scale is read); e4m3 NaN codes are refused.
 """
@@ -23,7 +24,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moeq import native
 from moeq.config import FP8, QuantConfig
 from moeq.errors import MoeqError
 from moeq.formats import fp8 as fp8_format
@@ -73,21 +73,15 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] 
                name: str = "an FP8 weight") -> torch.Tensor:
     """:func:`dequantize_reference`'s values, natively where it applies (``moeq_fp8_dequant``: one pass, ~2x the
     torch passes), refusing e4m3 NaN codes (0x7F/0xFF) by ``name``."""
-    L = native.lib()
-    if (L is not None and block is not None and q.device.type == "cpu" and q.dim() >= 2 and q.numel()
-            and scale_inv.dim() == q.dim()):
-        n, k = q.shape[-2:]
-        lead = q.numel() // (n * k)
-        tn, tk = -(-n // block[0]), -(-k // block[1])
-        qc, s = q.contiguous().view(torch.uint8), scale_inv.float().contiguous()
+    if block is not None and q.device.type == "cpu" and q.dim() >= 2 and q.numel() and scale_inv.dim() == q.dim():
         written = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        out = torch.empty(q.shape, dtype=written)
-        native.fits((qc, lead * n * k), (s, lead * tn * tk * 4))
-        native.fits_out(out, written, lead * n * k)
-        if L.moeq_fp8_dequant(native.ptr(qc), native.ptr(s), lead, n, k, block[0], block[1], native.ptr(out),
-                              int(written == torch.bfloat16)):
-            raise MoeqError(f"{name}: NaN codes in an FP8 weight")
-        return out if written == dtype else out.to(dtype)
+        try:
+            out = fp8_format.dequantize_native(q.contiguous().view(torch.uint8), scale_inv.float().contiguous(), block,
+                                               written)
+        except MoeqError:
+            raise MoeqError(f"{name}: NaN codes in an FP8 weight") from None
+        if out is not None:
+            return out if written == dtype else out.to(dtype)
     if torch.isnan(q.float()).any():
         raise MoeqError(f"{name}: NaN codes in an FP8 weight")
     return dequantize_reference(q, scale_inv, block, dtype)

@@ -4,20 +4,12 @@
 // 2^8 goes into the tile's scale. Products and sums in fp32, each tile's partial sum times its scale.
 #include "moeq.h"
 
-static void e4m3_table(float* lut) {  // the exact values (0x7F/0xFF NaN: refused before any kernel runs)
-    for (int c = 0; c < 256; c++) {
-        const int e = (c >> 3) & 15, m = c & 7;
-        const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
-        lut[c] = (c & 128) ? -v : v;
-    }
-}
-
 #define FP8_ROWS 8  // rows of x per pass over a weight row (the row is re-read from L1)
 
 // y[M, N] = x[M, K] @ dequant(W)^T, W = q [N, K] e4m3 bytes with scale s [ceil(N/bn), ceil(K/bk)].
 void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk, float* y) {
     float lut[256];
-    e4m3_table(lut);
+    for (int c = 0; c < 256; c++) lut[c] = e4m3_value(c);
     const i64 TK = (K + bk - 1) / bk;
 #pragma omp parallel for schedule(static)
     for (i64 n = 0; n < N; n++) {
@@ -133,8 +125,7 @@ static int fp8_gemv_bf16_64(const uint16_t* xb, i64 M, const uint8_t* q, const f
                             i64 bk, float* y) {
     uint8_t th[128], tl[128];
     for (int i = 0; i < 128; i++) {  // the bf16 bits of every e4m3 magnitude (exact: 3 significant bits)
-        const int e = i >> 3, m = i & 7;
-        const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        const float v = e4m3_value(i);
         uint32_t u;
         memcpy(&u, &v, 4);
         th[i] = (uint8_t)(u >> 24), tl[i] = (uint8_t)(u >> 16);

@@ -144,6 +144,14 @@ static inline void pack3_8(const uint8_t* c, uint8_t* o) {
 
 // Symmetric vLLM grid arithmetic helpers (RTN quantize) and a group of weights as fp32.
 // A group holding NaN/Inf gets a NaN scale (the caller checks the scales and names the tensor).
+// The value of an e4m3fn byte: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities (0x7F/0xFF are NaN:
+// refused before any kernel reads them).
+static inline float e4m3_value(int c) {
+    const int e = (c >> 3) & 15, m = c & 7;
+    const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+    return (c & 128) ? -v : v;
+}
+
 static inline uint16_t f2bf_finite(float f) {  // round to nearest even; callers only pass finite values
     uint32_t u;
     memcpy(&u, &f, 4);

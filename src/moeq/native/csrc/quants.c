@@ -304,11 +304,7 @@ void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void*
 int moeq_fp8_dequant(const uint8_t* q, const float* s, i64 lead, i64 N, i64 K, i64 bn, i64 bk, void* out,
                      int out_bf16) {
     float lut[256];
-    for (int c = 0; c < 256; c++) {  // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
-        const int e = (c >> 3) & 15, m = c & 7;
-        const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
-        lut[c] = (c & 128) ? -v : v;
-    }
+    for (int c = 0; c < 256; c++) lut[c] = e4m3_value(c);
     const i64 TN = (N + bn - 1) / bn, TK = (K + bk - 1) / bk;
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad)
