@@ -223,6 +223,20 @@ def test_fp8_to_gguf_in_one_command(fp8_ckpt, tmp_path, capsys):
         assert torch.equal(g(ids).logits.argmax(-1), ref(ids).logits.argmax(-1))
 
 
+def test_fp8_kept_exports_to_gguf_only_with_requantize(fp8_ckpt, tmp_path, capsys):
+    """GGUF has no e4m3 type: a model holding fp8 weights is refused (naming --requantize), then written as Q8_0
+    and judged by what gguf-py's decoding of the file computes against the fp8 model."""
+    src = fp8_ckpt("mixtral")
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(src), str(out), "--format", "gguf", "--method", "fp8"]) == 2
+    assert "--requantize" in capsys.readouterr().err and not out.exists()
+    assert main(["export", str(src), str(out), "--format", "gguf", "--method", "fp8", "--requantize",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kl_vs_moeq"] is not None and summary["kl_vs_moeq"] < 1e-3
+    assert any("Q8_0" in r for r in summary["requantized"])
+
+
 def test_inspect_names_the_source(fp8_ckpt, capsys):
     assert main(["inspect", str(fp8_ckpt("qwen3_moe")), "--json"]) == 0
     src = json.loads(capsys.readouterr().out)["source"]
