@@ -49,11 +49,10 @@ def test_avx2_build_passes_kernel_tests(tmp_path, march):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         "tests/kernels/test_cpu_kernels.py", "tests/kernels/test_int8_activations.py",
                         "tests/kernels/test_rows16.py", "tests/kernels/test_il16.py", "tests/kernels/test_bf12.py",
-                        "tests/kernels/test_matrix.py", "-m", "not slow", "-k", NOT_TRITON,
-                        "tests/formats",
+                        "tests/kernels/test_matrix.py", "tests/kernels/test_kernel_plan.py", "tests/formats",
                         "tests/test_compat.py",
-                        "tests/models/test_decode_forwards.py", "tests/models/test_attention.py"],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "tests/models/test_decode_forwards.py", "tests/models/test_attention.py", "-m", "not slow",
+                        "-k", NOT_TRITON], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
 
 
@@ -69,9 +68,8 @@ def test_plain_build_links_and_passes_kernel_tests(tmp_path):
     assert r.returncode == 0 and "plain" in r.stdout, r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         "tests/kernels/test_cpu_kernels.py", "tests/kernels/test_bf12.py",
-                        "tests/kernels/test_matrix.py", "-m", "not slow", "-k", NOT_TRITON], env=env, cwd=ROOT,
-                       capture_output=True, text=True,
-                       timeout=600)
+                        "tests/kernels/test_matrix.py", "tests/kernels/test_kernel_plan.py", "-m", "not slow", "-k",
+                        NOT_TRITON], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:]
 
 

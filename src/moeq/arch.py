@@ -1,6 +1,8 @@
-"""Architectures as data: how a family's checkpoint keys map onto transformers 5.x modules and how its experts are
-laid out. Adding a family that transformers defines is a table entry plus a test (an :class:`Arch` row in
-``ARCHS`` below, and the family in ``moeq.tiny`` and ``tests/models/test_architectures.py``).
+"""Architectures as data: one :class:`Arch` row per family holds every fact moeq keeps about it — how its
+checkpoint keys map onto transformers 5.x modules, how its experts are laid out, the block adapter it needs, the
+llama.cpp graph it exports to (:class:`GgufFamily`), whether the residual rotation supports it, and the tiny config
+the tests and the demo build it from. Adding a family that transformers defines is a row in ``_TABLE`` below (the
+architecture tests take every row).
 
 Checkpoint keys are first rewritten by ``renames`` (regex, replacement), then matched as
 - per-expert 2-D weights ``{moe}.experts.{expert}.{gate|up|down}.weight`` (names from ``expert_names``),
@@ -17,6 +19,15 @@ from moeq.errors import MoeqError
 
 
 @dataclasses.dataclass(frozen=True)
+class GgufFamily:
+    """How llama.cpp names and runs a transformers MoE family (the GGUF exporter and reader)."""
+    arch: str  # llama.cpp architecture
+    norm_topk: bool  # llama.cpp renormalizes the top-k router weights for this graph
+    pre: str = "default"  # llama.cpp pre-tokenizer of the family's byte-level BPE tokenizers
+    permute_qk: bool = False  # llama.cpp's "llama" graph uses interleaved RoPE: HF q/k rows are permuted to match
+
+
+@dataclasses.dataclass(frozen=True)
 class Arch:
     model_types: tuple[str, ...]
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # on-disk per-expert names
@@ -28,7 +39,16 @@ class Arch:
     disk_renames: tuple[tuple[str, str], ...] = ()  # model names -> per-expert (transformers 4.x) on-disk names
     per_expert_on_disk: bool = True  # the family's classic checkpoints hold one 2-D tensor per expert
     moe_adapter: str | None = None  # a block wrapper routing to the quantized experts (see moeq.convert.ADAPTERS)
+    gguf: GgufFamily | None = None  # the llama.cpp graph model_types[0] exports to (None: no GGUF export)
+    rotate: bool = False  # moeq.rotate folds and rotates its residual stream
+    tiny: tuple[tuple[str, object], ...] = ()  # model_types[0]'s tiny test config (beyond moeq.tiny's common one)
+    dense: bool = False  # no experts: linears only
     notes: str = ""
+
+    @property
+    def weight_on_input(self) -> bool:
+        """The router weight scales the expert's input, not its output (Llama 4)."""
+        return self.moe_adapter == "llama4"
 
     def to_disk(self, name: str) -> str:
         for pat, rep in self.disk_renames:
@@ -56,35 +76,76 @@ class Arch:
 
 FUSED_KEY_RE = re.compile(r"^(?P<mod>.+\.experts)\.(?P<param>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 
+def _tiny(**kw) -> tuple[tuple[str, object], ...]:
+    return tuple(kw.items())
+
+
+_MIXTRAL_KEYS = dict(expert_names=("w1", "w3", "w2"), renames=((r"\.block_sparse_moe\.", ".mlp."),),
+                     disk_renames=((r"\.mlp\.", ".block_sparse_moe."),))
 _TABLE: tuple[Arch, ...] = (
-    Arch(("mixtral", "minimax"), expert_names=("w1", "w3", "w2"), renames=((r"\.block_sparse_moe\.", ".mlp."),),
-         disk_renames=((r"\.mlp\.", ".block_sparse_moe."),)),
+    Arch(("mixtral",), **_MIXTRAL_KEYS, gguf=GgufFamily("llama", norm_topk=True, permute_qk=True), rotate=True,
+         tiny=_tiny(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)),
+    Arch(("minimax",), **_MIXTRAL_KEYS),
     Arch(("phimoe",), expert_names=("w1", "w3", "w2"),
          renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.gate\.weight$", ".mlp.router.weight")),
-         disk_renames=((r"\.mlp\.router(\.|$)", r".mlp.gate\1"), (r"\.mlp\.", ".block_sparse_moe."))),
-    Arch(("qwen2_moe",), notes="shared expert quantized; its sigmoid gate kept"),
-    Arch(("qwen3_moe",)),
-    Arch(("olmoe",)),
-    Arch(("deepseek_v3",), notes="MLA projections and shared experts quantized; router + bias kept"),
+         disk_renames=((r"\.mlp\.router(\.|$)", r".mlp.gate\1"), (r"\.mlp\.", ".block_sparse_moe.")),
+         tiny=_tiny(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)),
+    Arch(("qwen2_moe",), gguf=GgufFamily("qwen2moe", norm_topk=False, pre="qwen2"), rotate=True,
+         tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                    num_experts=4, num_experts_per_tok=2),
+         notes="shared expert quantized; its sigmoid gate kept"),
+    Arch(("qwen3_moe",), gguf=GgufFamily("qwen3moe", norm_topk=True, pre="qwen2"), rotate=True,
+         tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                    head_dim=32)),
+    Arch(("olmoe",), gguf=GgufFamily("olmoe", norm_topk=False, pre="olmo"), rotate=True,
+         tiny=_tiny(intermediate_size=128, num_experts=4, num_experts_per_tok=2)),
+    Arch(("deepseek_v3",), notes="MLA projections and shared experts quantized; router + bias kept",
+         tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+                    n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=128,
+                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)),
     Arch(("glm4_moe",), notes="GLM-4.5 (DeepSeek-style routing): shared experts quantized; router and its "
-                              "e_score_correction_bias kept; the first dense layers' MLPs quantized as linears"),
+                              "e_score_correction_bias kept; the first dense layers' MLPs quantized as linears",
+         tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+                    n_shared_experts=1, first_k_dense_replace=1, head_dim=32, n_group=1, topk_group=1)),
     Arch(("qwen3_next",), keep=("*.linear_attn.*",),
          notes="gated DeltaNet linear-attention layers kept in the compute dtype; shared expert quantized, its gate "
-               "kept"),
-    Arch(("jamba",), notes="mamba mixers kept in the compute dtype"),
+               "kept",
+         tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                    shared_expert_intermediate_size=128, head_dim=32,
+                    layer_types=("linear_attention", "full_attention"))),
+    Arch(("jamba",), notes="mamba mixers kept in the compute dtype",
+         tiny=_tiny(intermediate_size=128, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                    attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8,
+                    mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False)),
     Arch(("granitemoe",), renames=(
         (r"block_sparse_moe\.input_linear\.weight$", "block_sparse_moe.experts.gate_up_proj"),
         (r"block_sparse_moe\.output_linear\.weight$", "block_sparse_moe.experts.down_proj"),
         (r"block_sparse_moe\.router\.layer\.weight$", "block_sparse_moe.router.weight"),
-    ), per_expert_on_disk=False, notes="3-D fused experts on disk"),
+    ), per_expert_on_disk=False, notes="3-D fused experts on disk",
+         tiny=_tiny(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)),
     Arch(("llama4_text", "llama4"), transposed=True, per_expert_on_disk=False, moe_adapter="llama4",
-         notes="fused 3-D experts; routed-only forward (transformers runs all experts); shared expert quantized"),
+         notes="fused 3-D experts; routed-only forward (transformers runs all experts); shared expert quantized",
+         tiny=_tiny(intermediate_size=128, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
+                    head_dim=32, interleave_moe_layer_step=1)),
     Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss", per_expert_on_disk=False,
-         notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept"),
-    Arch(("llama", "qwen2", "qwen3", "mistral"), notes="dense models (no experts): linears only; e.g. a MoE's dense "
-                                                       "sibling to compare methods without routing"),
+         notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept",
+         tiny=_tiny(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                    sliding_window=64, layer_types=("sliding_attention", "full_attention"))),
+    Arch(("llama", "qwen2", "qwen3", "mistral"), rotate=True, dense=True, tiny=_tiny(intermediate_size=256),
+         notes="dense models (no experts): linears only; e.g. a MoE's dense sibling to compare methods without "
+               "routing"),
 )
 ARCHS: dict[str, Arch] = {mt: a for a in _TABLE for mt in a.model_types}
+
+
+GGUF_FAMILIES: dict[str, GgufFamily] = {a.model_types[0]: a.gguf for a in _TABLE if a.gguf is not None}
+ROTATABLE: tuple[str, ...] = tuple(mt for a in _TABLE if a.rotate for mt in a.model_types)
+
+
+def tiny_configs(dense: bool = False) -> dict[str, dict]:
+    """``{model_type: tiny config}`` of every MoE family (``dense``: of the dense families) with one."""
+    return {a.model_types[0]: {k: list(v) if isinstance(v, tuple) else v for k, v in a.tiny}
+            for a in _TABLE if a.tiny and a.dense == dense}
 
 
 def supported() -> list[str]:

@@ -37,8 +37,10 @@ def _presets(group_size: int = 128):
     }
 
 
-def write_model(out: Path, layers: int = 4, shape: dict = QWEN3_30B_A3B, seed: int = 0) -> Path:
-    """The benchmark checkpoint (random bf16, Qwen3-MoE format), written once, deterministically."""
+def write_model(out: Path, layers: int = 4, shape: dict = QWEN3_30B_A3B, seed: int = 0, fp8: bool = False) -> Path:
+    """The benchmark checkpoint (random bf16, Qwen3-MoE format), written once, deterministically. ``fp8``: the same
+    weights as the FP8 releases ship them (DeepSeek's layout, e4m3 + 128x128 block scales, as Qwen3-30B-A3B-FP8),
+    half the disk."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     if (out / "done").exists():
@@ -74,6 +76,10 @@ def write_model(out: Path, layers: int = 4, shape: dict = QWEN3_30B_A3B, seed: i
             shard[p + f"mlp.experts.{x}.gate_proj.weight"] = rnd(i, h)
             shard[p + f"mlp.experts.{x}.up_proj.weight"] = rnd(i, h)
             shard[p + f"mlp.experts.{x}.down_proj.weight"] = rnd(h, i)
+        if fp8:
+            from moeq.tiny import fp8_tensors  # noqa: PLC0415
+
+            shard = {k: v.contiguous() for key, t in shard.items() for k, v in fp8_tensors(key, t).items()}
         fname = f"model-layer{li:03d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         names.update({k: fname for k in shard})
@@ -82,6 +88,10 @@ def write_model(out: Path, layers: int = 4, shape: dict = QWEN3_30B_A3B, seed: i
     save_file(shard, str(out / "model-embed.safetensors"), metadata={"format": "pt"})
     names.update({k: "model-embed.safetensors" for k in shard})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    if fp8:
+        from moeq.tiny import fp8_quantization_config  # noqa: PLC0415
+
+        cfg["quantization_config"] = fp8_quantization_config()
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "done").write_text("ok")
     return out

@@ -167,7 +167,7 @@ class ExpertsBuilder:
         self.pieces.clear()
         self.built = True
         return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"),
-                            weight_on_input=self.arch.moe_adapter == "llama4")
+                            weight_on_input=self.arch.weight_on_input)
 
 
 def module_layout(arch: Arch, gate_up: torch.Tensor, down: torch.Tensor, b13: torch.Tensor | None = None):

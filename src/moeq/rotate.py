@@ -26,12 +26,11 @@ import math
 import torch
 from torch import nn
 
-from moeq.arch import get_arch
+from moeq.arch import ROTATABLE, get_arch
 from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ATTN_READERS = ("q_proj", "k_proj", "v_proj")
 MLP_READERS = ("gate_proj", "up_proj")  # dense MLPs and shared experts
 
@@ -181,8 +180,8 @@ def _plan(model: nn.Module) -> list:
     """Every tensor the rotation touches, as (action, tensor, norm weight or None, dim), all checked before any
     changes; raises MoeqError for anything outside the supported layout."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if cfg.model_type not in FAMILIES:
-        raise MoeqError(f"rotation supports {', '.join(FAMILIES)}; not {cfg.model_type!r}")
+    if cfg.model_type not in ROTATABLE:
+        raise MoeqError(f"rotation supports {', '.join(ROTATABLE)}; not {cfg.model_type!r}")
     if any(hasattr(m, "qweight") or type(m).__name__.startswith("Quant") for m in model.modules()):
         raise MoeqError("rotate the unquantized model (then quantize it): this one holds quantized modules")
     inner, layers = _families_layers(model)

@@ -8,37 +8,14 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from moeq.arch import tiny_configs
 from moeq.errors import MoeqError
 
 VOCAB = 384
 _COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=256, tie_word_embeddings=False)
-TINY: dict[str, dict] = {
-    "mixtral": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                      num_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                      head_dim=32),
-    "olmoe": dict(intermediate_size=128, num_experts=4, num_experts_per_tok=2),
-    "granitemoe": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2),
-    "deepseek_v3": dict(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
-                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=128,
-                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1),
-    "phimoe": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2),
-    "glm4_moe": dict(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
-                     n_shared_experts=1, first_k_dense_replace=1, head_dim=32, n_group=1, topk_group=1),
-    "qwen3_next": dict(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                       shared_expert_intermediate_size=128, head_dim=32,
-                       layer_types=["linear_attention", "full_attention"]),
-    "jamba": dict(intermediate_size=128, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
-                  attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8,
-                  mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False),
-    "llama4_text": dict(intermediate_size=128, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
-                        head_dim=32, interleave_moe_layer_step=1),
-    "gpt_oss": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
-                    sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
-}
-DENSE: dict[str, dict] = {"llama": dict(intermediate_size=256)}  # dense families: linears only
+TINY: dict[str, dict] = tiny_configs()  # every MoE family's tiny config (its Arch row holds it)
+DENSE: dict[str, dict] = tiny_configs(dense=True)  # dense families: linears only
 
 _TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
          "want of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -179,18 +156,28 @@ def to_fp8(src: str | os.PathLike, out: str | os.PathLike, block: tuple[int, int
     F8_E4M3 + ``weight_scale_inv`` F32 (:func:`fp8_block_quantize`; ``block=None``: one scale per tensor), shard by
     shard, and ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": block,
     "activation_scheme": "dynamic"}``."""
-    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        if (t.ndim < 2 or not key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj"))
-                or any(s in key for s in FP8_SKIP)):  # linear weights, and transformers' fused expert stacks
-            return {key: t}
-        if block is None:
-            scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
-            return {key: (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn),
-                    key + "_scale_inv": (1.0 / scale).reshape(())}
-        q, s = fp8_block_quantize(t, block)
-        return {key: q, key + "_scale_inv": s}
-    return rewrite(src, out, convert, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                       "weight_block_size": None if block is None else list(block)})
+    return rewrite(src, out, lambda key, t: fp8_tensors(key, t, block), fp8_quantization_config(block))
+
+
+def fp8_quantization_config(block: tuple[int, int] | None = (128, 128)) -> dict:
+    """``config.json``'s ``quantization_config`` of a DeepSeek-layout FP8 checkpoint."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": None if block is None else list(block)}
+
+
+def fp8_tensors(key: str, t: torch.Tensor, block: tuple[int, int] | None = (128, 128)) -> dict[str, torch.Tensor]:
+    """What a DeepSeek-layout FP8 checkpoint holds in place of tensor ``key``: a decoder layer's linear weight as
+    ``weight`` F8_E4M3 + ``weight_scale_inv`` F32 (:func:`fp8_block_quantize`; ``block=None``: one scale per
+    tensor), anything else as it is."""
+    if (t.ndim < 2 or not key.endswith(("weight", "experts.gate_up_proj", "experts.down_proj"))
+            or any(s in key for s in FP8_SKIP)):  # linear weights, and transformers' fused expert stacks
+        return {key: t}
+    if block is None:
+        scale = 448.0 / t.float().abs().amax().clamp_min(1e-12)
+        return {key: (t.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn),
+                key + "_scale_inv": (1.0 / scale).reshape(())}
+    q, s = fp8_block_quantize(t, block)
+    return {key: q, key + "_scale_inv": s}
 
 
 def ct_fp8_scale(w: torch.Tensor, strategy: str, size: tuple[int, int] | int | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeq.arch import Arch
+from moeq.arch import GGUF_FAMILIES, Arch, GgufFamily
 from moeq.export.common import expert_pieces, quantized_modules
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
 from moeq.formats.grids import GRIDS
@@ -56,21 +56,6 @@ def model_name(model: nn.Module) -> str:
     return p.name or model.config.model_type
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """How llama.cpp names and runs one transformers MoE family."""
-    arch: str  # llama.cpp architecture
-    norm_topk: bool  # llama.cpp renormalizes the top-k router weights for this graph
-    pre: str = "default"  # llama.cpp pre-tokenizer of the family's byte-level BPE tokenizers
-    permute_qk: bool = False  # llama.cpp's "llama" graph uses interleaved RoPE: HF q/k rows are permuted to match
-
-
-FAMILIES = {
-    "mixtral": Family("llama", norm_topk=True, permute_qk=True),
-    "qwen2_moe": Family("qwen2moe", norm_topk=False, pre="qwen2"),
-    "qwen3_moe": Family("qwen3moe", norm_topk=True, pre="qwen2"),
-    "olmoe": Family("olmoe", norm_topk=False, pre="olmo"),
-}
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -172,7 +157,7 @@ def _plain(t: torch.Tensor, force_f32: bool) -> tuple[Callable[[], np.ndarray], 
 
 # ---------------------------------------------------------------------------------------------------- planning
 class Planner:
-    def __init__(self, model: nn.Module, fam: Family):
+    def __init__(self, model: nn.Module, fam: GgufFamily):
         gguf = gguf_lib()
         cfg = model.config
         self.gguf, self.cfg, self.fam = gguf, cfg, fam
@@ -246,7 +231,7 @@ class Planner:
         self.add(f"{base}.{suffix}", make, qtype, "kept", tuple(t.shape))
 
 
-def plan(model: nn.Module, fam: Family) -> Planner:
+def plan(model: nn.Module, fam: GgufFamily) -> Planner:
     p = Planner(model, fam)
     quantized = {}
     for name, mod in quantized_modules(model):
@@ -266,12 +251,12 @@ def plan(model: nn.Module, fam: Family) -> Planner:
 
 
 # ------------------------------------------------------------------------------------------------- metadata
-def _check(model: nn.Module) -> Family:
+def _check(model: nn.Module) -> GgufFamily:
     cfg = model.config
     mt = cfg.model_type
-    if mt not in FAMILIES:
+    if mt not in GGUF_FAMILIES:
         raise MoeqError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
-    fam = FAMILIES[mt]
+    fam = GGUF_FAMILIES[mt]
     rope = getattr(cfg, "rope_parameters", None) or {}
     problems = []
     if rope.get("rope_type", "default") != "default":
@@ -330,7 +315,7 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _pre_tokenizer(tok_json: Path, fam: Family) -> str:
+def _pre_tokenizer(tok_json: Path, fam: GgufFamily) -> str:
     """llama.cpp's pre-tokenizer name: GPT-2's own regex when the tokenizer uses it, else the family's."""
     try:
         pre = json.loads(tok_json.read_text()).get("pre_tokenizer") or {}
@@ -354,7 +339,7 @@ def _merge_scores(tok_json: Path, tokens: list, scores: list[float]) -> list[flo
     return out
 
 
-def _tokenizer(w, source: Path, n_vocab: int, fam: Family) -> str:
+def _tokenizer(w, source: Path, n_vocab: int, fam: GgufFamily) -> str:
     gguf = gguf_lib()
     from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab  # noqa: PLC0415
 

@@ -19,7 +19,7 @@ Adding a format (what rtn.py, bnb4.py, int8.py and fp8.py each follow):
 4. Optional fast paths, each one registry line per backend: a CPU gemv (``@register(fmt)`` in
    :mod:`moeq.kernels.cpu_ops`), a native weight description for the fused MoE kernels (``@describer(fmt)`` in
    :mod:`moeq.kernels.describe`; its C in ``moeq/native/csrc`` with an ``enum moeq_fmt`` entry mirrored by
-   ``moeq.native.Fmt``), a Triton layout (``@layout(fmt)`` in :mod:`moeq.kernels.triton_moe`). Without them the
+   ``moeq.native.Fmt`` and its rows in the decode kernel table ``KERNELS`` in ``moe.c``), a Triton layout (``@layout(fmt)`` in :mod:`moeq.kernels.triton_moe`). Without them the
    format runs through dequantize + matmul.
 5. Exporters: each exporter's ``SUPPORTS`` and ``_check`` say which formats it takes; add the format where the
    engine has the same layout.

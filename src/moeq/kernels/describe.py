@@ -25,7 +25,8 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
     formats (``keep`` holds the tensors alive). ``dot_bf16``: the model computes in bf16, so RTN 4/8-bit and NF4/FP4
     may take activations as bf16 (AVX512-BF16 dot products) or, on AVX2 builds, RTN and codebook grids as int16
     (``moeq_avx2_gemv_i16``). ``act_i8``: decode with int8 activations where :func:`takes_int8` (the explicit
-    ``activations="int8"`` option)."""
+    ``activations="int8"`` option). The description comes planned (:func:`moeq.native.plan`): the decode and layer
+    kernels that take it are ranked once here, and the calls run that ranking."""
     fn = _DESCRIBERS.get(w.format)
     if fn is None or len(w.shape) not in (2, 3):
         return None
@@ -42,6 +43,8 @@ def describe(w: PackedWeight, keep: list, dot_bf16: bool = False, act_i8: bool =
             values, lut = codebook_tables("signed")
             keep += [values, lut]
             stack.lut, stack.values = lut.data_ptr(), values.data_ptr()
+    if stack is not None and native.lib() is not None and not native.plan(stack):
+        return None  # no decode kernel takes it on this build
     return stack
 
 

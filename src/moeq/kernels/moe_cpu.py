@@ -8,7 +8,7 @@ import torch
 
 from moeq import native
 from moeq.kernels.plans import MOE_MAX_ROWS, experts_plan
-from moeq.native import Fmt, WStack
+from moeq.native import Layers, WStack
 
 MAX_ROWS = MOE_MAX_ROWS  # more rows per expert: dequantize + AMX bf16 matmul wins (measured)
 
@@ -55,8 +55,7 @@ def _grouped(token_of: torch.Tensor, weight_of: torch.Tensor,
 def _expert_parallel(s13: WStack, s2: WStack) -> bool:
     """4-bit RTN and codebook experts with bf16 activations (AVX512-BF16 or AVX2): the layer kernel parallel across
     experts."""
-    return (native.has_simd() and s13.fmt == s2.fmt == Fmt.RTN and all(s.bits == 4 or s.lut for s in (s13, s2))
-            and bool(s13.dot_bf16 and s2.dot_bf16))
+    return bool(s13.layers & s2.layers & Layers.EXPERTS)
 
 
 def _scratch(s13: WStack, s2: WStack, active: int) -> torch.Tensor:

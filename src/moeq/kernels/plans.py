@@ -16,7 +16,7 @@ import torch
 from moeq import native
 from moeq.kernels.describe import describe
 from moeq.kernels.registry import kernels_for
-from moeq.native import Fmt, WStack
+from moeq.native import Fmt, Layers, WStack
 
 MOE_MAX_ROWS = 8  # the fused MoE kernels' rows per expert; more: dequantize + AMX bf16 matmul wins (measured)
 LINEAR_MAX_ROWS = 64  # what the linear kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
@@ -87,9 +87,13 @@ def experts_route(module, dtype: torch.dtype) -> ExpertsRoute:
         dot = dtype == torch.bfloat16 and native.has_simd()
         decode = on and experts_plan(module, dot) is not None
         return ExpertsRoute(decode=decode, fused=decode and experts_plan(module, dot, False) is not None,
-                            prefill=(on and dtype == torch.bfloat16 and native.has_dpbf16()
-                                     and experts_plan(module, True) is not None))
+                            prefill=on and dtype == torch.bfloat16 and _gemm_takes(experts_plan(module, True)))
     return _cached(module, "_plan_routes", dtype, build)
+
+
+def _gemm_takes(plan: ExpertsPlan | None) -> bool:
+    """The prompt's grouped GEMM (``moeq_moe_prefill``) takes both stacks (as planned: AVX512-BF16 builds)."""
+    return plan is not None and bool(plan.w13.layers & plan.w2.layers & Layers.GEMM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +169,7 @@ def _attach_rows16(stack: WStack, keep: list) -> None:
     if L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
         stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
         keep.append(buf)
+        native.plan(stack)  # the rows16 kernel ranks first now
 
 
 def experts_plan(module, dot: bool, act: bool | None = None) -> ExpertsPlan | None:

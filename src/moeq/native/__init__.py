@@ -59,6 +59,16 @@ def _sanitize_flags() -> list[str]:
     return ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"] if value else []  # -O1 (last wins): builds 2x faster
 
 
+MAX_KERNELS = 8  # MOEQ_MAX_KERNELS
+
+
+class Layers(enum.IntFlag):
+    """``enum moeq_layer``: the layer kernels a planned stack can be part of (``WStack.layers``)."""
+    I8 = 1  # the int8-activation layer
+    EXPERTS = 2  # the expert-parallel bf16 layer (4-bit RTN and codebook grids)
+    GEMM = 4  # the prompt's grouped GEMM
+
+
 class Fmt(enum.IntEnum):
     """``enum moeq_fmt``: the packed formats the fused kernels take."""
     RTN = 0
@@ -75,7 +85,12 @@ class WStack(ctypes.Structure):
                 ("spe", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("values", ctypes.c_void_p),
                 ("lut", ctypes.c_void_p), ("scale_super", ctypes.c_void_p), ("act_i8", ctypes.c_int),
                 ("rows16", ctypes.c_void_p), ("rows16_layout", ctypes.c_int), ("il16", ctypes.c_int),
-                ("bn", ctypes.c_int64)]
+                ("bn", ctypes.c_int64), ("kernels", ctypes.c_uint8 * MAX_KERNELS), ("layers", ctypes.c_int)]
+
+    def kernel_names(self) -> list[str]:
+        """The decode kernel rows ``moeq_wstack_plan`` ranked for this weight, best first (empty: not planned)."""
+        L = lib()
+        return [L.moeq_kernel_name(k).decode() for k in self.kernels if k] if L is not None else []
 
 
 class Layer(ctypes.Structure):
@@ -150,8 +165,11 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_il16_takes": (_INT, [_WS]),
     "moeq_il16_dequant": (_INT, [_WS, _I, _P, _INT]),
     # moe.c
+    "moeq_wstack_plan": (_INT, [_WS]),
+    "moeq_kernel_name": (ctypes.c_char_p, [_INT]),
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
+    "moeq_gemm_takes": (_INT, [_WS]),
     "moeq_moe_prefill": (_INT, [_WS, _WS, _P, _I, _I, _I, _P, _P, _P, _I, _P]),
     "moeq_attn_prefill_bf16": (_INT, [_P, _P, _P, _I, _I, _I, _I, _I, _F, _P]),
     "moeq_moe_forward_rtn4_bf16": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
@@ -361,6 +379,12 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 def i64(v: int) -> int:
     return int(v)
+
+
+def plan(stack: WStack) -> bool:
+    """Plan a described weight once (``moeq_wstack_plan``): rank the decode kernels and layer kernels that take it on
+    this build into ``stack.kernels`` / ``stack.layers``. False when no decode kernel takes it."""
+    return lib().moeq_wstack_plan(ctypes.byref(stack)) > 0
 
 
 def func(name: str):

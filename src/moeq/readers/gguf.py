@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from moeq.arch import GGUF_FAMILIES
 from moeq.errors import MoeqError
 from moeq.formats import RTNWeight
 from moeq.formats.grids import GRIDS, from_ggml
@@ -92,14 +93,13 @@ def config_from_metadata(reader, path: Path):
     """The transformers config of a GGUF file moeq did not write (llama.cpp's ``convert_hf_to_gguf.py``, the Hub's
     uploaders), from its llama.cpp hyperparameters; the family from ``general.architecture`` (llama.cpp's ``llama``
     graph with experts is Mixtral). Anything the mapped families cannot express is refused, naming the key."""
-    from moeq.export.gguf import FAMILIES  # noqa: PLC0415
 
     arch = _field(reader, "general.architecture")
-    by_arch = {f.arch: mt for mt, f in FAMILIES.items()}
+    by_arch = {f.arch: mt for mt, f in GGUF_FAMILIES.items()}
     mt = by_arch.get(arch)
     if mt is None or (mt == "mixtral" and not _field(reader, f"{arch}.expert_count")):
         raise MoeqError(f"{path}: GGUF architecture {arch!r}{' without experts' if mt else ''} is not one moeq maps "
-                        f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in FAMILIES.items())}); run it with "
+                        f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in GGUF_FAMILIES.items())}); run it with "
                         "llama.cpp")
     unsupported = [k for k in reader.fields if k.startswith(f"{arch}.rope.scaling.") or k.endswith(".sliding_window")
                    or k.startswith(f"{arch}.attention.sliding_window") or k == f"{arch}.leading_dense_block_count"]
@@ -126,7 +126,7 @@ def config_from_metadata(reader, path: Path):
                                                                         or 10000.0)}
     d["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     if mt in ("qwen3_moe", "qwen2_moe", "olmoe"):
-        d["norm_topk_prob"] = FAMILIES[mt].norm_topk
+        d["norm_topk_prob"] = GGUF_FAMILIES[mt].norm_topk
     if mt == "qwen2_moe":
         d["qkv_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
     for tok in ("bos", "eos", "padding"):
@@ -201,16 +201,16 @@ def read(found, quant, dtype: torch.dtype | None, progress: bool) -> nn.Module:
 
 
 def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
-    from moeq.export.gguf import FAMILIES, Planner, gguf_lib  # noqa: PLC0415
+    from moeq.export.gguf import Planner, gguf_lib  # noqa: PLC0415
 
     gguf = gguf_lib()
     file = gguf_file(path)
     reader, config = read_config(file)
-    if config.model_type not in FAMILIES:
+    if config.model_type not in GGUF_FAMILIES:
         raise MoeqError(f"{file}: model_type {config.model_type!r} is not one moeq exports to GGUF")
     dtype = compute_dtype(config, dtype)
     state = LoadState(file.parent, None, config, QuantConfig.of("none"), dtype, quantize_linears=False)
-    model, arch, fam = state.model, state.arch, FAMILIES[config.model_type]
+    model, arch, fam = state.model, state.arch, GGUF_FAMILIES[config.model_type]
     planner = Planner(model, fam)
     targets: dict[str, tuple[str, str]] = {}  # gguf tensor name -> (kind, HF name)
     for name, mod in model.named_modules():

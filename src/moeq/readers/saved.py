@@ -122,7 +122,7 @@ def restore(path: Path, ckpt: Checkpoint, config, qc: dict, dtype, progress: boo
                            for b, shape in (("b13", (e, 2 * i)), ("b2", (e, h))))
             # what the record says must be what the model config defines (the config is the model)
             act = _saved_activation(f"{path}: {name}", entry.get("activation", {}))
-            want_act, want_woi = activation_for(arch, target, config), arch.moe_adapter == "llama4"
+            want_act, want_woi = activation_for(arch, target, config), arch.weight_on_input
             if act != want_act or entry.get("weight_on_input", False) != want_woi:
                 raise MoeqError(f"{path}: {name}: saved activation {vars(act)} / weight_on_input "
                                 f"{entry.get('weight_on_input', False)} contradict the model config "

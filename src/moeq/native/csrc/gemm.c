@@ -205,11 +205,19 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
     }
 }
 
-static int takes(const moeq_wstack* w) {  // RTN 4/8-bit and the codebook grids, K even, N % TILE_R == 0
+#endif
+
+// Whether the prompt GEMM takes w on this build: AVX512-BF16, RTN 4/8-bit and the 3-5-bit codebook grids (row-major
+// or il16), K even, whole groups, N % TILE_R == 0 (moeq_wstack_plan records it as MOEQ_LAYER_GEMM).
+int moeq_gemm_takes(const moeq_wstack* w) {
+#if defined(__AVX512BF16__)
     return w->fmt == MOEQ_FMT_RTN && (w->values ? w->bits >= 3 && w->bits <= 5 : w->bits == 4 || w->bits == 8) &&
            w->K % 2 == 0 && w->gs > 0 && w->K % w->gs == 0 && w->N % TILE_R == 0;
-}
+#else
+    (void)w;
+    return 0;
 #endif
+}
 
 // out[T, H] (fp32, zeroed by the caller) += for each pair (grouped by expert: expert_start[E + 1]) its weight times
 // expert e's SiLU-GLU MLP of x[pair_tok] (bf16 [T, H]). Returns 0 (nothing written) without AVX512-BF16 or outside
@@ -217,7 +225,7 @@ static int takes(const moeq_wstack* w) {  // RTN 4/8-bit and the codebook grids,
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out) {
 #if defined(__AVX512BF16__)
-    if (!takes(w13) || !takes(w2) || w13->N != 2 * I || w13->K != H || w2->N != H || w2->K != I || I % 2)
+    if (!moeq_gemm_takes(w13) || !moeq_gemm_takes(w2) || w13->N != 2 * I || w13->K != H || w2->N != H || w2->K != I || I % 2)
         return 0;
     i64 pmax = 0, ne = 0;
     for (i64 e = 0; e < E; e++) {

@@ -9,7 +9,7 @@
 // One call per MoE layer for the token-expert pairs of a decode step: for each expert with rows, y = w2 @
 // act(w13 @ x) and out[token] += weight * y. Removes the per-expert Python dispatch that dominates small batches.
 
-static int rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+static int run_rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K, G = K / w->gs;
     uint16_t* xb = (uint16_t*)scratch;
     for (i64 r = 0; r < m; r++)
@@ -99,110 +99,261 @@ static inline void il16_pass(const moeq_wstack* w, const i64* act, const i64* st
 }
 #endif
 
-// y[m, N] = x[m, K] @ W[e]^T; scratch must hold 2*m*K + m*(K/16+1) + N*K/32 floats.
-static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
-    const i64 N = w->N, K = w->K;
+// ---------------------------------------------------------------- the decode kernel table ------------------------
+// One row per decode kernel (y[m, N] = x[m, K] @ W[e]^T, m <= 8, scratch as moeq_quant_linear_bf16 sizes it): which
+// weights it takes on this build and how it runs. moeq_wstack_plan ranks, once per weight when moeq describes it,
+// the rows that take the weight (w->kernels, best first, ending with a row that always runs); expert_gemv runs the
+// first, and the next only when a row declines for what only the call knows (more rows than it holds, activations it
+// cannot quantize, memory it could not get). A format with a native kernel adds its rows here.
+
+static int run_il16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
 #if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
-    if (w->il16) {  // its codes are not row-major: no other kernel may read them
-        il16_gemv(w, e, x, m, y, scratch);
-        return;
-    }
+    il16_gemv(w, e, x, m, y, scratch);  // its codes are not row-major: no other row may read them
+    return 1;
+#else
+    (void)w, (void)e, (void)x, (void)m, (void)y, (void)scratch;
+    return 0;
 #endif
-    if (w->rows16 && e == 0 && moeq_rows16_gemv(w, x, m, y)) return;      // a decode copy by 16 output rows (head)
-    if (w->act_i8 && moeq_i8_gemv(w, e, x, m, y)) return;                  // the int8-activation option
-    if (w->dot_bf16 && moeq_avx2_gemv_i16(w, e, x, m, y, scratch)) return;  // AVX2 builds, bf16 models
-    if (w->fmt == MOEQ_FMT_FP8) {  // e4m3 codes, one fp32 scale per (bn x gs) tile (fp8.c)
-        const i64 tiles = ((N + w->bn - 1) / w->bn) * ((K + w->gs - 1) / w->gs);
-        const uint8_t* q = w->q + e * N * K;
-        const float* s = (const float*)w->scale + e * tiles;
-        if (w->dot_bf16) {  // a bf16 model: its activations are bf16 already (exact)
-            uint16_t* xb = (uint16_t*)scratch;
-            for (i64 i = 0; i < m * K; i++) xb[i] = f2bf(x[i]);
-            if (moeq_fp8_gemv_bf16(xb, m, q, s, N, K, w->bn, w->gs, y)) return;
+}
+
+static int run_rows16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    (void)scratch;
+    return e == 0 && moeq_rows16_gemv(w, x, m, y);  // a decode copy by 16 output rows (one weight: the head)
+}
+
+static int run_i8(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    (void)scratch;
+    return moeq_i8_gemv(w, e, x, m, y);  // declines for m > 8 and activations without a finite int8 scale
+}
+
+static int run_fp8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, tiles = ((N + w->bn - 1) / w->bn) * ((K + w->gs - 1) / w->gs);
+    uint16_t* xb = (uint16_t*)scratch;  // a bf16 model: its activations are bf16 already (exact)
+    for (i64 i = 0; i < m * K; i++) xb[i] = f2bf(x[i]);
+    return moeq_fp8_gemv_bf16(xb, m, w->q + e * N * K, (const float*)w->scale + e * tiles, N, K, w->bn, w->gs, y);
+}
+
+static int run_fp8(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    (void)scratch;
+    const i64 N = w->N, K = w->K, tiles = ((N + w->bn - 1) / w->bn) * ((K + w->gs - 1) / w->gs);
+    moeq_fp8_gemv(x, m, w->q + e * N * K, (const float*)w->scale + e * tiles, N, K, w->bn, w->gs, y);
+    return 1;
+}
+
+static inline const void* rtn_scale_at(const moeq_wstack* w, i64 e) {
+    return (const char*)w->scale + e * w->N * (w->K / w->gs) * scale_size(w->scale_bf16);
+}
+
+static int run_cb_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 K = w->K, G = K / w->gs;  // the describer sets dot_bf16 only for K % 64 == 0, gs 16, 32 or 64k
+    uint16_t* xb = (uint16_t*)scratch;
+    float* xs = scratch + m * K;
+    for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 1, xb + r * K, xs + r * G);
+    return moeq_cb4_gemv_bf16(xb, m, w->q + e * w->N * packed_row_bytes(w->bits, K), rtn_scale_at(w, e),
+                              w->scale_bf16, w->scale_super ? w->scale_super + e * w->N : NULL, w->lut, w->N, K,
+                              w->gs, w->bits, y);
+}
+
+static int run_cb(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    (void)scratch;
+    moeq_cb4_gemv(x, m, w->q + e * w->N * packed_row_bytes(w->bits, w->K), rtn_scale_at(w, e), w->scale_bf16,
+                  w->scale_super ? w->scale_super + e * w->N : NULL, w->values, w->N, w->K, w->gs, w->bits, y);
+    return 1;
+}
+
+static int run_rtn4_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
+    float* xs = scratch + m * K;
+    const int p64 = w->gs % 64 == 0;
+    for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, p64, xb + r * K, xs + r * G);
+    moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), rtn_scale_at(w, e), w->scale_bf16,
+                        w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
+    return 1;
+}
+
+static int run_rtn(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K, G = K / w->gs;
+    float* xe = scratch;
+    float* xo = xe + m * K;
+    float* xs = xo + m * K;
+    for (i64 r = 0; r < m; r++) {
+        for (i64 g = 0; g < G; g++) {
+            float s = 0.f;
+            for (i64 k = 0; k < w->gs; k++) s += x[r * K + g * w->gs + k];
+            xs[r * G + g] = s;
         }
-        moeq_fp8_gemv(x, m, q, s, N, K, w->bn, w->gs, y);
-        return;
-    }
-    if (w->fmt == MOEQ_FMT_RTN && w->values) {  // 3/4/5-bit codebook grid
-        const i64 G = K / w->gs;
-        const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
-        const uint8_t* q = w->q + e * N * packed_row_bytes(w->bits, K);
-        const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
-        if (w->dot_bf16) {  // the describer sets it only for K % 64 == 0, gs 16, 32 or a multiple of 64
-            uint16_t* xb = (uint16_t*)scratch;
-            float* xs = scratch + m * K;
-            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, 1, xb + r * K, xs + r * G);
-            if (moeq_cb4_gemv_bf16(xb, m, q, sc, w->scale_bf16, sup, w->lut, N, K, w->gs, w->bits, y)) return;
-        }
-        moeq_cb4_gemv(x, m, q, sc, w->scale_bf16, sup, w->values, N, K, w->gs, w->bits, y);
-    } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->dot_bf16) {
-        const i64 G = K / w->gs;
-        uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 = m*K/2 floats
-        float* xs = scratch + m * K;
-        const int p64 = w->gs % 64 == 0;
-        for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, w->gs, p64, xb + r * K, xs + r * G);
-        const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
-        moeq_rtn4_gemv_bf16(xb, xs, m, w->q + e * (N * K / 2), sc, w->scale_bf16,
-                            w->zero ? w->zero + e * N * G : NULL, N, K, w->gs, y, p64);
-    } else if (w->fmt == MOEQ_FMT_RTN && w->bits == 8 && w->dot_bf16 && rtn8_bf16(w, e, x, m, y, scratch)) {
-        return;
-    } else if (w->fmt == MOEQ_FMT_RTN) {
-        const i64 G = K / w->gs;
-        float* xe = scratch;
-        float* xo = xe + m * K;
-        float* xs = xo + m * K;
-        for (i64 r = 0; r < m; r++) {
-            for (i64 g = 0; g < G; g++) {
-                float s = 0.f;
-                for (i64 k = 0; k < w->gs; k++) s += x[r * K + g * w->gs + k];
-                xs[r * G + g] = s;
-            }
-            if (w->bits == 4)
-                for (i64 j = 0; j < K / 2; j++) {
-                    xe[r * (K / 2) + j] = x[r * K + 2 * j];
-                    xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
-                }
-        }
-        const i64 qb = N * K * w->bits / 8;
-        const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
-        moeq_rtn_gemv(w->bits == 4 ? xe : x, xo, xs, m, w->q + e * qb, sc, w->scale_bf16,
-                      w->zero ? w->zero + e * N * G : NULL, w->bits, N, K, w->gs, y);
-    } else {
-        const i64 bs = w->gs, n = N * K / w->spe, nb = n / bs, nn = (nb + 255) / 256;
-        float* xe = scratch;
-        float* xo = xe + m * (K / 2);
-        float* am = xo + m * (K / 2);
-        for (i64 r = 0; r < m; r++)
+        if (w->bits == 4)
             for (i64 j = 0; j < K / 2; j++) {
                 xe[r * (K / 2) + j] = x[r * K + 2 * j];
                 xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
             }
-        for (i64 s = 0; s < w->spe; s++) {
-            const i64 S = e * w->spe + s;
-            for (i64 b = 0; b < nb; b++) {
-                float a;
-                if (w->absmax_u8) {
-                    const uint8_t c = ((const uint8_t*)w->scale)[S * nb + b];
-                    a = w->nested_code[c] * w->nested_absmax[S * nn + b / 256] + w->offset[S];
-                } else {
-                    a = ((const float*)w->scale)[S * nb + b];
-                }
-                am[s * nb + b] = a;
-            }
-        }
-        if (w->dot_bf16 && bs % 64 == 0) {
-            uint16_t* xb = (uint16_t*)scratch;  // m*K bf16 fill exactly the xe region
-            float* sums = xo;  // per-group sums are unused by bnb4; xo is rebuilt below if needed
-            for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, 64, 1, xb + r * K, sums);
-            if (moeq_bnb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y)) return;
-            for (i64 r = 0; r < m; r++)  // no AVX512-BF16: rebuild xe/xo
-                for (i64 j = 0; j < K / 2; j++) {
-                    xe[r * (K / 2) + j] = x[r * K + 2 * j];
-                    xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
-                }
-        }
-        moeq_bnb4_gemv(xe, xo, m, w->q + e * (N * K / 2), am, w->code, N, K, bs, y);
     }
+    moeq_rtn_gemv(w->bits == 4 ? xe : x, xo, xs, m, w->q + e * (N * K * w->bits / 8), rtn_scale_at(w, e),
+                  w->scale_bf16, w->zero ? w->zero + e * N * G : NULL, w->bits, N, K, w->gs, y);
+    return 1;
+}
+
+// NF4/FP4: expert e's block scales resolved (double quant: through the nested code) into am [spe * nb].
+static void bnb4_absmax(const moeq_wstack* w, i64 e, float* am) {
+    const i64 nb = w->N * w->K / w->spe / w->gs, nn = (nb + 255) / 256;
+    for (i64 s = 0; s < w->spe; s++) {
+        const i64 S = e * w->spe + s;
+        for (i64 b = 0; b < nb; b++)
+            am[s * nb + b] = w->absmax_u8 ? w->nested_code[((const uint8_t*)w->scale)[S * nb + b]] *
+                                                    w->nested_absmax[S * nn + b / 256] + w->offset[S]
+                                          : ((const float*)w->scale)[S * nb + b];
+    }
+}
+
+static int run_bnb4_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K;
+    uint16_t* xb = (uint16_t*)scratch;  // m*K bf16: what run_bnb4 holds as xe
+    float* sums = scratch + m * (K / 2);  // per-64 sums, unused by NF4/FP4
+    float* am = scratch + m * K;
+    bnb4_absmax(w, e, am);
+    for (i64 r = 0; r < m; r++) x_to_bf16(x + r * K, K, 64, 1, xb + r * K, sums);
+    return moeq_bnb4_gemv_bf16(xb, m, w->q + e * (N * K / 2), am, w->code, N, K, w->gs, y);
+}
+
+static int run_bnb4(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    const i64 N = w->N, K = w->K;
+    float* xe = scratch;
+    float* xo = xe + m * (K / 2);
+    float* am = xo + m * (K / 2);
+    bnb4_absmax(w, e, am);
+    for (i64 r = 0; r < m; r++)
+        for (i64 j = 0; j < K / 2; j++) {
+            xe[r * (K / 2) + j] = x[r * K + 2 * j];
+            xo[r * (K / 2) + j] = x[r * K + 2 * j + 1];
+        }
+    moeq_bnb4_gemv(xe, xo, m, w->q + e * (N * K / 2), am, w->code, N, K, w->gs, y);
+    return 1;
+}
+
+// What each row takes (besides its fmt), on this build. The describer has checked shapes, strides and domains
+// (rows16 and act_i8 are set only inside their kernels' domains, il16 only where moeq_il16_takes said so).
+static int takes_il16(const moeq_wstack* w) {
+#if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
+    return w->il16;
+#else
+    (void)w;
+    return 0;
+#endif
+}
+static int takes_rows16(const moeq_wstack* w) { return w->rows16 != NULL; }
+static int takes_i8(const moeq_wstack* w) { return w->act_i8; }
+static int takes_avx2(const moeq_wstack* w) {
+#if defined(MOEQ_AVX2)
+    return w->dot_bf16;
+#else
+    (void)w;
+    return 0;
+#endif
+}
+static int takes_fp8_bf16(const moeq_wstack* w) { return w->dot_bf16 && w->K % 32 == 0 && w->gs % 32 == 0; }
+static int takes_cb_bf16(const moeq_wstack* w) { return w->values && w->dot_bf16; }
+static int takes_cb(const moeq_wstack* w) { return w->values != NULL; }
+static int takes_rtn4_bf16(const moeq_wstack* w) { return !w->values && w->bits == 4 && w->dot_bf16; }
+static int takes_rtn8_bf16(const moeq_wstack* w) { return !w->values && w->bits == 8 && w->dot_bf16; }
+static int takes_rtn(const moeq_wstack* w) { return !w->values; }
+static int takes_bnb4_bf16(const moeq_wstack* w) { return w->dot_bf16 && w->gs % 64 == 0; }
+static int takes_any(const moeq_wstack* w) { (void)w; return 1; }
+
+#if defined(__AVX512BF16__)
+#define BF16_ROW(r) r
+#else
+#define BF16_ROW(r) NULL  // the AVX512-BF16 rows do not exist on this build
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define VNNI_ROW(r) r
+#else
+#define VNNI_ROW(r) NULL
+#endif
+
+typedef struct {
+    const char* name;
+    int fmt;  // the moeq_fmt it reads (-1: any; the row's takes decides)
+    int (*takes)(const moeq_wstack* w);
+    int (*run)(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch);
+    int always;  // run never declines: the ranking ends here
+} moeq_kernel;
+
+// In preference order; row 0 is "not planned" (a zeroed moeq_wstack).
+static const moeq_kernel KERNELS[] = {
+    {"unplanned", -1, NULL, NULL, 0},
+    {"il16", MOEQ_FMT_RTN, takes_il16, run_il16, 1},
+    {"rows16", MOEQ_FMT_RTN, takes_rows16, run_rows16, 0},
+    {"i8", MOEQ_FMT_RTN, takes_i8, run_i8, 0},
+    {"avx2_i16", MOEQ_FMT_RTN, takes_avx2, moeq_avx2_gemv_i16, 0},
+    {"fp8_bf16", MOEQ_FMT_FP8, BF16_ROW(takes_fp8_bf16), run_fp8_bf16, 0},
+    {"fp8", MOEQ_FMT_FP8, takes_any, run_fp8, 1},
+    {"cb_bf16", MOEQ_FMT_RTN, BF16_ROW(takes_cb_bf16), run_cb_bf16, 0},
+    {"cb", MOEQ_FMT_RTN, takes_cb, run_cb, 1},
+    {"rtn4_bf16", MOEQ_FMT_RTN, takes_rtn4_bf16, run_rtn4_bf16, 1},
+    {"rtn8_bf16", MOEQ_FMT_RTN, VNNI_ROW(takes_rtn8_bf16), run_rtn8_bf16, 0},
+    {"rtn", MOEQ_FMT_RTN, takes_rtn, run_rtn, 1},
+    {"bnb4_bf16", MOEQ_FMT_BNB4, BF16_ROW(takes_bnb4_bf16), run_bnb4_bf16, 0},
+    {"bnb4", MOEQ_FMT_BNB4, takes_any, run_bnb4, 1},
+};
+enum { NKERNELS = (int)(sizeof(KERNELS) / sizeof(KERNELS[0])) };
+#undef BF16_ROW
+#undef VNNI_ROW
+
+// The ranking itself: the rows that take w, best first, up to and including the first that always runs. Returns how
+// many (0: no row takes w — a format or build without decode kernels).
+static int rank_kernels(const moeq_wstack* w, uint8_t* out) {
+    int n = 0;
+    for (int k = 1; k < NKERNELS && n < MOEQ_MAX_KERNELS; k++) {
+        const moeq_kernel* r = &KERNELS[k];
+        if ((r->fmt >= 0 && r->fmt != w->fmt) || !r->takes || (r->takes == takes_il16) != (w->il16 != 0) ||
+            !r->takes(w))
+            continue;  // il16 codes are not row-major: only the il16 row reads them
+        out[n++] = (uint8_t)k;
+        if (r->always) return n;
+    }
+    return 0;
+}
+
+// The layer kernels (moeq_moe_routed) that take w as one of a layer's two stacks: MOEQ_LAYER_I8 the int8-activation
+// layer, MOEQ_LAYER_EXPERTS the expert-parallel bf16 layer (4-bit RTN and codebook grids), MOEQ_LAYER_GEMM the
+// prompt's grouped GEMM (gemm.c).
+static int rank_layers(const moeq_wstack* w) {
+    int l = 0;
+    if (w->act_i8 && !w->il16) l |= MOEQ_LAYER_I8;
+    if (moeq_simd_level() > 0 && w->fmt == MOEQ_FMT_RTN && (w->bits == 4 || w->lut) && w->dot_bf16)
+        l |= MOEQ_LAYER_EXPERTS;
+    if (moeq_gemm_takes(w)) l |= MOEQ_LAYER_GEMM;
+    return l;
+}
+
+// w's layer kernels (an unplanned w is ranked here).
+static int layers_of(const moeq_wstack* w) { return w->kernels[0] ? w->layers : rank_layers(w); }
+
+// Plans w once (the describer calls it after the last field is set): its ranked decode kernels and layer kernels.
+// Returns the number of decode kernels that take it (0: none; then expert_gemv must not be called with it).
+int moeq_wstack_plan(moeq_wstack* w) {
+    memset(w->kernels, 0, sizeof(w->kernels));
+    const int n = rank_kernels(w, w->kernels);
+    if (n == 0) memset(w->kernels, 0, sizeof(w->kernels));
+    w->layers = rank_layers(w);
+    return n;
+}
+
+// A row's name (for moeq's describer and logs), or NULL past the table.
+const char* moeq_kernel_name(int k) { return k >= 0 && k < NKERNELS ? KERNELS[k].name : NULL; }
+
+// y[m, N] = x[m, K] @ W[e]^T through w's planned rows (an unplanned w is ranked here, each call).
+static void expert_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    uint8_t local[MOEQ_MAX_KERNELS] = {0};
+    const uint8_t* ks = w->kernels;
+    if (ks[0] == 0) {
+        rank_kernels(w, local);
+        ks = local;
+    }
+    for (int i = 0; i < MOEQ_MAX_KERNELS && ks[i]; i++)
+        if (KERNELS[ks[i]].run(w, e, x, m, y, scratch)) return;
+    memset(y, 0, (size_t)(m * w->N) * sizeof(float));  // unreachable for a planned w (its last row always runs)
 }
 
 // A whole decode-path linear in one call for bf16 activations: y [M, N] bf16 = bf16(bf16(x W^T) + bias) as the Python
@@ -367,7 +518,7 @@ static void il16_layer_pass(const moeq_wstack* w, const i64* act, const i64* sta
 void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                                 const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E,
                                 float* out, float* scratch) {
-    if (w13->act_i8 && w2->act_i8 && !w13->il16 && !w2->il16 &&
+    if ((layers_of(w13) & layers_of(w2) & MOEQ_LAYER_I8) &&
         moeq_moe_forward_i8(w13, w2, x, H, I, pair_tok, pair_w, expert_start, E, out))
         return;
     i64 A = 0;
@@ -525,11 +676,10 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
             wts[slot] = wt[p];
         }
         free(fill);
-        if (w13->act_i8 && w2->act_i8 && !w13->il16 && !w2->il16 &&
-            moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
+        const int both = layers_of(w13) & layers_of(w2);
+        if ((both & MOEQ_LAYER_I8) && moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
             ;  // the int8-activation option
-        else if (moeq_simd_level() > 0 && w13->fmt == MOEQ_FMT_RTN && w2->fmt == MOEQ_FMT_RTN &&
-            (w13->bits == 4 || w13->lut) && (w2->bits == 4 || w2->lut) && w13->dot_bf16 && w2->dot_bf16)
+        else if (both & MOEQ_LAYER_EXPERTS)
             moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
         else
             moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);

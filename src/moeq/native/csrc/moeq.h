@@ -203,6 +203,8 @@ static inline void x_to_i16_32(const float* x, i64 K, int split, int16_t* xq, fl
 // The packed-weight formats the fused kernels take (mirrored by moeq.native.Fmt).
 enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1, MOEQ_FMT_FP8 = 2 };
 
+#define MOEQ_MAX_KERNELS 8
+
 // One weight (or expert stack [E, N, K]) described for the fused kernels (mirrored by moeq.native.WStack).
 typedef struct {
     int fmt;                     // enum moeq_fmt
@@ -228,7 +230,12 @@ typedef struct {
     int rows16_layout;           // ... its layout: 1 int16 activations (default numerics), 2 int8 (act_i8)
     int il16;                    // 4-bit expert stacks: q/scale in the decode layout il16 (il16_rows.h), not row-major
     i64 bn;                      // fp8: rows per scale tile (gs: its columns); scale fp32 [E, ceil(N/bn), ceil(K/gs)]
+    uint8_t kernels[MOEQ_MAX_KERNELS];  // moeq_wstack_plan: the decode kernel rows that take it, best first (moe.c)
+    int layers;                  // ... and the layer kernels that take it (enum moeq_layer)
 } moeq_wstack;
+
+// The layer kernels a stack can be part of (moeq_wstack.layers, a mask).
+enum moeq_layer { MOEQ_LAYER_I8 = 1, MOEQ_LAYER_EXPERTS = 2, MOEQ_LAYER_GEMM = 4 };
 
 // ---- exports (quants.c) ----
 void moeq_set_threads(int n);
@@ -301,6 +308,8 @@ int moeq_rows16_gemv(const moeq_wstack* w, const float* x, i64 m, float* y);
 int moeq_il16_takes(const moeq_wstack* w);
 int moeq_il16_dequant(const moeq_wstack* w, i64 e, void* out, int out_bf16);  // quants.c
 // ---- exports (moe.c) ----
+int moeq_wstack_plan(moeq_wstack* w);
+const char* moeq_kernel_name(int k);
 void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, const uint16_t* bias, uint16_t* y,
                             float* scratch);
 void moeq_moe_forward(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
@@ -312,6 +321,7 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
 int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
 // ---- exports (gemm.c) ----
+int moeq_gemm_takes(const moeq_wstack* w);
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, i64 B, i64 Hq, i64 Hkv, i64 L,
