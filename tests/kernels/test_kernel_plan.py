@@ -79,17 +79,18 @@ def test_int8_activations_rank_their_kernel_first_then_the_default_ones():
     assert stack.layers & Layers.I8
 
 
-def test_experts_plans_carry_their_layer_kernels():
+@pytest.mark.parametrize("method", ["q4_0", "q8_0", "fp8", "nf4"])
+def test_experts_plans_carry_their_layer_kernels(method):
     from moeq.nn import QuantExperts  # noqa: PLC0415
     from moeq.nn.experts import Activation  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(0)
-    fmt = METHODS["q4_0"]
+    fmt = METHODS[method]
     w13 = (torch.randn(4, 128, 128, generator=g) * 0.05).to(torch.bfloat16)
     w2 = (torch.randn(4, 128, 64, generator=g) * 0.05).to(torch.bfloat16)
     ex = QuantExperts(fmt.quantize(w13, "w13", slices=4), fmt.quantize(w2, "w2", slices=4), Activation())
     plan = experts_plan(ex, native.has_simd())
     assert plan is not None and plan.w13.kernel_names() and plan.w2.kernel_names()
-    if native.has_simd():
-        assert plan.w13.layers & plan.w2.layers & Layers.EXPERTS
-    assert bool(plan.w13.layers & Layers.GEMM) == native.has_dpbf16()
+    assert bool(plan.w13.layers & plan.w2.layers & Layers.EXPERTS) == (native.has_simd() and method == "q4_0")
+    # the prompt's grouped GEMM: RTN grids and FP8 tiles on AVX512-BF16 builds; NF4 runs dequantize + matmul
+    assert bool(plan.w13.layers & Layers.GEMM) == (native.has_dpbf16() and method != "nf4")

@@ -147,18 +147,19 @@ def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: 
     if spe == 0 or k % w.blocksize or w.blocksize % 32 or (n * k // spe) % w.blocksize:
         return None
     code = w.code.float().contiguous()
-    tensors = [w.packed, w.absmax, code, w.offset, w.nested_absmax, w.nested_code]
+    absmax = w.absmax.contiguous()  # a view across slices may be strided; it is 1/64 of the codes or less
+    tensors = [w.packed, absmax, code, w.offset, w.nested_absmax, w.nested_code]
     if not native.usable(*tensors):
         return None
     dq = w.offset is not None
     nb = e * n * k // w.blocksize
-    native.fits((w.packed, e * n * k // 2), (w.absmax, nb * (1 if dq else 4)), (code, 64))
+    native.fits((w.packed, e * n * k // 2), (absmax, nb * (1 if dq else 4)), (code, 64))
     if dq:
         native.fits((w.offset, w.slices * 4), (w.nested_code, 1024),
                     (w.nested_absmax, w.slices * -(-(nb // w.slices) // 256) * 4))
     keep += tensors
     return WStack(fmt=Fmt.BNB4, dot_bf16=int(dot_bf16 and w.blocksize % 64 == 0), q=w.packed.data_ptr(),
-                  scale=w.absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
+                  scale=absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
                   code=code.data_ptr(), offset=native.ptr(w.offset), nested_absmax=native.ptr(w.nested_absmax),
                   nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
 

@@ -45,7 +45,7 @@ static inline i64 pair_elem(int perm4, i64 kp, int second) {
 // table of the chunk's two groups' values (scale * value, rounded once to bf16: the same weights as the
 // dequantizers in quants.c) and two word permutes.
 static int perm4_takes(const moeq_wstack* w) {
-    return w->bits == 4 && w->K % 64 == 0 && (w->gs == 32 || w->gs % 64 == 0);
+    return w->fmt == MOEQ_FMT_RTN && w->bits == 4 && w->K % 64 == 0 && (w->gs == 32 || w->gs % 64 == 0);
 }
 
 // The TILE_R rows from q (row-major codes, K/2 bytes apart), sc (the scale of row r, group g at r * rs + g * gst:
@@ -79,9 +79,38 @@ static void dequant_tile4(const moeq_wstack* w, const uint8_t* q, const void* sc
     }
 }
 
+// FP8 e4m3 rows n0..n0+TILE_R of expert e as bf16 [TILE_R][K]: value * its tile's scale in fp32, rounded once to bf16
+// (as Fp8Weight.dequantize). An e4m3 byte becomes an fp16 with the same bits shifted, exactly value * 2^-8 (fp8.c),
+// times 256 (exact), times the scale.
+static void dequant_tile_fp8(const moeq_wstack* w, i64 e, i64 n0, uint16_t* dst) {
+    const i64 N = w->N, K = w->K, bk = w->gs, TN = (N + w->bn - 1) / w->bn, TK = (K + bk - 1) / bk;
+    const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
+    const __m512 k256 = _mm512_set1_ps(256.f);
+    for (i64 r = 0; r < TILE_R; r++) {
+        const i64 n = n0 + r;
+        const uint8_t* qr = w->q + (e * N + n) * K;
+        const float* ss = (const float*)w->scale + (e * TN + n / w->bn) * TK;
+        uint16_t* o = dst + r * K;
+        i64 k = 0;
+        if (bk % 16 == 0)  // each 16-chunk inside one tile
+            for (; k + 16 <= K; k += 16) {
+                const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(qr + k)));
+                const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, sign), 8),
+                                                  _mm256_slli_epi16(_mm256_and_si256(b, rest), 7));
+                const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), k256), _mm512_set1_ps(ss[k / bk]));
+                _mm256_storeu_si256((__m256i*)(o + k), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        for (; k < K; k++) o[k] = f2bf(e4m3_value(qr[k]) * ss[k / bk]);
+    }
+}
+
 // The dequantized tile of expert e's rows n0..n0+TILE_R (bf16 [TILE_R][K], in perm4's K order when perm4). stage:
 // room for one block's codes and scales in row-major order (il16 stacks are unpacked into it first).
 static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_t* dst, uint8_t* stage) {
+    if (w->fmt == MOEQ_FMT_FP8) {
+        dequant_tile_fp8(w, e, n0, dst);
+        return;
+    }
     const i64 N = w->N, K = w->K, G = K / w->gs, rowb = packed_row_bytes(w->bits, K), ss = scale_size(w->scale_bf16);
     const uint8_t* q = w->q + (e * N + n0) * rowb;
     const void* sc = (const char*)w->scale + (e * N + n0) * G * ss;
@@ -208,9 +237,11 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
 #endif
 
 // Whether the prompt GEMM takes w on this build: AVX512-BF16, RTN 4/8-bit and the 3-5-bit codebook grids (row-major
-// or il16), K even, whole groups, N % TILE_R == 0 (moeq_wstack_plan records it as MOEQ_LAYER_GEMM).
+// or il16; K even, whole groups) and FP8 e4m3 tiles (any tile shape, K even), N % TILE_R == 0 (moeq_wstack_plan
+// records it as MOEQ_LAYER_GEMM).
 int moeq_gemm_takes(const moeq_wstack* w) {
 #if defined(__AVX512BF16__)
+    if (w->fmt == MOEQ_FMT_FP8) return w->K % 2 == 0 && w->gs > 0 && w->bn > 0 && w->N % TILE_R == 0;
     return w->fmt == MOEQ_FMT_RTN && (w->values ? w->bits >= 3 && w->bits <= 5 : w->bits == 4 || w->bits == 8) &&
            w->K % 2 == 0 && w->gs > 0 && w->K % w->gs == 0 && w->N % TILE_R == 0;
 #else
