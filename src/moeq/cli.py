@@ -312,23 +312,20 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import moeq
-    from moeq.export import export
-    from moeq.io.writer import check_target
+    from moeq.export import export_checkpoint
 
-    if not (args.format == "gguf" and args.out.endswith(".gguf")):
-        check_target(Path(args.out), args.overwrite, [args.model])
-    model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
-                      progress=not args.json)
-    summary = export(model, args.out, args.format, overwrite=args.overwrite, source=args.model,
-                     progress=not args.json, requantize=args.requantize, layout=args.layout,
-                     force=args.force)
+    summary = export_checkpoint(args.model, args.out, args.format, quant=_quant_config(args) if args.method else None,
+                                overwrite=args.overwrite, progress=not args.json, requantize=args.requantize,
+                                dtype=_dtype(args.dtype), layout=args.layout, force=args.force)
     if args.json:
         print(json.dumps(summary))
         return 0
     print(f"wrote {summary['out']} ({args.format}): {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB")
     if summary.get("kl_vs_moeq") is not None:
         print(f"loaded as its consumer loads it: mean KL vs moeq's model {summary['kl_vs_moeq']:.3g} nats")
+    if summary.get("streamed"):
+        print(f"streamed layer by layer: peak RSS {summary['peak_rss_bytes'] / 2**30:.2f} GiB; "
+              f"{summary['checked_by_gguf_py']} tensors decoded back by gguf-py equal to moeq's values")
     requant = summary.get("requantized", [])
     print(f"re-quantized ({len(requant)}):" + "".join(f"\n  {r}" for r in requant) if requant else
           "no value re-quantized (lossless)")

@@ -14,10 +14,10 @@ line in :data:`EXPORTERS` and a test that loads the result with the engine's own
 from __future__ import annotations
 
 import math
-
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from moeq.arch import get_arch
@@ -71,6 +71,53 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
             if check:
                 summary["kl_vs_moeq"] = _judge(model, tmp / summary["file"], format, layout, source, max_kl, force)
     return {"format": format, "out": str(out), **summary}
+
+
+def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format: str, quant=None,
+                      overwrite: bool = False, progress: bool = False, requantize: bool = False, dtype=None,
+                      layout: str = "transformers5", check: bool = True, force: bool = False) -> dict:
+    """Read the checkpoint ``source`` (quantized in flight with ``quant``, as :func:`moeq.load` does) and write it as
+    ``format``. A GGUF from any checkpoint read tensor by tensor (bf16/fp16, FP8, MXFP4, GPTQ/AWQ, bitsandbytes,
+    compressed-tensors) is **streamed**: each decoder layer is written as soon as it is read and quantized, then
+    freed — peak memory is about one layer, whatever the model's size (``peak_rss_bytes`` in the summary); ``check``
+    then decodes every exactly-typed tensor back with gguf-py against moeq's values. Anything else is loaded whole,
+    then written by :func:`export` (whose ``check`` compares the consumer's logits)."""
+    import resource  # noqa: PLC0415
+
+    from moeq import readers  # noqa: PLC0415
+    from moeq.config import QuantConfig  # noqa: PLC0415
+    from moeq.io import hub  # noqa: PLC0415
+    from moeq.io.writer import check_target  # noqa: PLC0415
+    from moeq.loader import load  # noqa: PLC0415
+
+    if format not in EXPORTERS:
+        raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
+    one_file = format == "gguf" and str(out).endswith(".gguf")
+    if not one_file:
+        check_target(Path(out), overwrite, [source])
+    path = hub.resolve(source)
+    if format != "gguf" or not readers.claim(readers.inspect(path, torch.device("cpu"))).streams:
+        model = load(path, quant=quant, dtype=dtype, progress=progress)
+        return export(model, out, format, overwrite=overwrite, source=path, progress=progress, requantize=requantize,
+                      layout=layout, check=check, force=force)
+    quant = QuantConfig.of(quant) if quant is not None else None
+
+    def stream(file: Path) -> dict:
+        sink = gguf.Stream(file, path, requantize=requantize, check=check, progress=progress)
+        try:
+            readers.read(path, quant, dtype, progress, torch.device("cpu"), sink=sink)
+        finally:
+            sink.close()
+        return sink.summary()
+
+    if one_file:
+        with atomic_file(out, overwrite, [path], ours=gguf.is_moeq_gguf) as tmp:
+            summary = stream(tmp) | {"file": Path(out).name}
+    else:
+        with atomic_dir(out, overwrite, [path]) as tmp:
+            summary = stream(tmp / gguf.FILE)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"format": format, "out": str(out), **summary, "streamed": True, "peak_rss_bytes": peak}
 
 
 def _judge(model: nn.Module, written: Path, format: str, layout: str, source, max_kl: float, force: bool):

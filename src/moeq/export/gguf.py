@@ -27,7 +27,6 @@ from moeq.arch import GGUF_FAMILIES, Arch, GgufFamily
 from moeq.export.common import expert_pieces, quantized_modules
 from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
 from moeq.formats.grids import GRIDS
-from moeq.io.writer import unique_tensors
 from moeq.nn import QuantExperts, QuantLinear
 from moeq.errors import MoeqError
 from moeq.version import __version__
@@ -68,6 +67,8 @@ class Planned:
     dtype: np.dtype
     nbytes: int
     note: str = ""  # "exact", "requantized from ...", "kept"
+    logical: tuple[int, ...] = ()  # the shape in values (GGUF's dims, reversed)
+    ref: Callable[[], np.ndarray] | None = None  # moeq's fp32 values of the first 2-D slice, for exact types
 
 
 def gguf_lib():
@@ -126,7 +127,8 @@ def requantize(values: torch.Tensor, qtype: str) -> np.ndarray:
 
 
 def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str, str]:
-    """(make, qtype, note) for a stack of 2-D packed weights written as one tensor (one for a linear)."""
+    """(make, qtype, note) for a stack of 2-D packed weights written as one tensor (one for a linear): the stack's
+    first weight's values are ``ws[0].dequantize(torch.float32)``, what gguf-py must decode the written bytes to."""
     exact = {ggml_type(w) for w in ws}
     if len(exact) == 1 and None not in exact:
         def make():
@@ -142,6 +144,10 @@ def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str
         arrs = [requantize(w.dequantize(torch.float32), qtype) for w in ws]
         return np.stack(arrs) if len(arrs) > 1 else arrs[0]
     return make, qtype, f"requantized {src} -> {qtype}"
+
+
+def _ref(w: PackedWeight) -> Callable[[], np.ndarray]:
+    return lambda: w.dequantize(torch.float32).numpy()
 
 
 def _plain(t: torch.Tensor, force_f32: bool) -> tuple[Callable[[], np.ndarray], str]:
@@ -164,6 +170,7 @@ class Planner:
         self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.num_hidden_layers)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.plan: list[Planned] = []
+        self.inter: int | None = None  # the experts' intermediate size, once an experts module is planned
 
     def gguf_name(self, module: str) -> str:
         name = self.names.get_name(module)
@@ -185,8 +192,10 @@ class Planner:
             return a[perm]
         return permuted
 
-    def add(self, name: str, make: Callable[[], np.ndarray], qtype: str, note: str, logical: tuple[int, ...]):
-        """Plan one tensor: ``logical`` is its shape in values; quantized types are written as block bytes."""
+    def add(self, name: str, make: Callable[[], np.ndarray], qtype: str, note: str, logical: tuple[int, ...],
+            ref: Callable[[], np.ndarray] | None = None):
+        """Plan one tensor: ``logical`` is its shape in values; quantized types are written as block bytes. ``ref``:
+        moeq's values of its first 2-D slice (exact types), which a consumer's decoding of the bytes must equal."""
         gq = self.gguf.GGMLQuantizationType[qtype]
         if qtype in ("F32", "F16", "BF16"):
             shape, dtype = tuple(logical), {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype]
@@ -194,7 +203,10 @@ class Planner:
             block, type_size = self.gguf.GGML_QUANT_SIZES[gq]
             shape, dtype = tuple(logical[:-1]) + (logical[-1] // block * type_size,), np.uint8
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        self.plan.append(Planned(name, gq, self._permute(name, make), shape, np.dtype(dtype), nbytes, note))
+        if ref is not None and len(logical) == 2:
+            ref = self._permute(name, ref)
+        self.plan.append(Planned(name, gq, self._permute(name, make), shape, np.dtype(dtype), nbytes, note,
+                                 tuple(logical), ref))
 
     def experts(self, module: str, mod: QuantExperts) -> None:
         if mod.b13 is not None:
@@ -203,14 +215,15 @@ class Planner:
         pieces: dict[str, list[PackedWeight]] = {"gate": [], "up": [], "down": []}
         for _, kind, w in expert_pieces(mod):
             pieces[kind].append(w)
+        self.inter = mod.intermediate_dim
         for kind, ws in pieces.items():
             make, qtype, note = _packed_stack(ws)
-            self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape))
+            self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape), _ref(ws[0]))
 
     def linear(self, module: str, mod: QuantLinear) -> None:
         base = self.gguf_name(module)
         make, qtype, note = _packed_stack([mod.qweight])
-        self.add(base + ".weight", make, qtype, note, tuple(mod.qweight.shape))
+        self.add(base + ".weight", make, qtype, note, tuple(mod.qweight.shape), _ref(mod.qweight))
         if mod.bias is not None:
             make, qtype = _plain(mod.bias, True)
             self.add(base + ".bias", make, qtype, "kept", tuple(mod.bias.shape))
@@ -231,22 +244,47 @@ class Planner:
         self.add(f"{base}.{suffix}", make, qtype, "kept", tuple(t.shape))
 
 
-def plan(model: nn.Module, fam: GgufFamily) -> Planner:
-    p = Planner(model, fam)
-    quantized = {}
-    for name, mod in quantized_modules(model):
-        quantized[name] = mod
-    done = set(quantized)
-    for name, mod in quantized.items():
-        (p.experts if isinstance(mod, QuantExperts) else p.linear)(name, mod)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    for key, t in unique_tensors(model.state_dict().items()):
+def _distinct(items):
+    """State-dict items with tied tensors kept once; on the meta device (a skeleton) ties are the same object."""
+    seen: set = set()
+    for name, t in items:
+        key = id(t) if t.device.type == "meta" else \
+            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t
+
+
+ORDER = {"token_embd": 0, "output_norm": 2, "output": 3}
+
+
+def _order(t: Planned):
+    return (ORDER.get(t.name.split(".")[0], 1), int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1, t.name)
+
+
+def plan_module(p: Planner, root: nn.Module, prefix: str = "") -> list[Planned]:
+    """Plan every tensor of ``root`` (the module named ``prefix``; the model when empty): quantized modules whole, then
+    every parameter or buffer outside them. Returns the new entries, in file order."""
+    start, pre = len(p.plan), prefix + "." if prefix else ""
+    done = set()
+    for name, mod in quantized_modules(root):
+        full = pre + name if name else prefix
+        done.add(full)
+        (p.experts if isinstance(mod, QuantExperts) else p.linear)(full, mod)
+    tied = getattr(p.cfg, "tie_word_embeddings", False)
+    for key, t in _distinct(root.state_dict(prefix=pre, keep_vars=True).items()):
         if key.rpartition(".")[0] in done or (tied and key == "lm_head.weight"):
             continue
         p.plain(key, t)
-    order = {"token_embd": 0, "output_norm": 2, "output": 3}
-    p.plan.sort(key=lambda x: (order.get(x.name.split(".")[0], 1),
-                               int(x.name.split(".")[1]) if x.name.startswith("blk.") else -1, x.name))
+    new = sorted(p.plan[start:], key=_order)
+    p.plan[start:] = new
+    return new
+
+
+def plan(model: nn.Module, fam: GgufFamily) -> Planner:
+    p = Planner(model, fam)
+    plan_module(p, model)
     return p
 
 
@@ -295,12 +333,10 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_rope_dimension_count(p.head_dim)
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
     n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     w.add_expert_count(n_exp)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    inter = experts[0].intermediate_dim if experts else getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)
-    w.add_expert_feed_forward_length(inter)
+    w.add_expert_feed_forward_length(p.inter or getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
@@ -427,3 +463,122 @@ def export(model: nn.Module, out: Path, arch: Arch, source=None, progress: bool 
             "requantized": requant, "kept_unquantized": [t.name for t in p.plan if t.note == "kept" and
                                                           len(t.shape) >= 2]}
 
+
+
+# ------------------------------------------------------------------------------------------------ streamed export
+class Stream:
+    """A GGUF file written while its checkpoint streams in (a :class:`~moeq.readers.state.Sink`): each decoder layer
+    is written as soon as the checkpoint has filled it, then freed, so peak memory is one layer, not the model.
+
+    GGUF puts every tensor's type and offset in the header, before the data. The header's size does not depend on
+    them (fixed-width fields), only on the tensor names and shapes and the metadata, which the skeleton already has:
+    the data starts where that header ends, tensors are appended in the order their layers complete, and the header
+    (tensor infos in that order, their real types and offsets) is written last, in the space kept for it.
+
+    ``check``: every tensor written in an exact type is decoded back with gguf-py (llama.cpp's own Python library) —
+    its first 2-D slice, bit for bit against moeq's values — while it is still in memory."""
+
+    def __init__(self, file: Path, source: Path, requantize: bool = False, check: bool = True,
+                 progress: bool = False):
+        self.file, self.source, self.requantize, self.check = Path(file), Path(source), requantize, check
+        self.written: list[Planned] = []
+        self.checked = 0
+        self.f = None
+        self.bar = None
+        self.progress = progress
+
+    def _header(self, model: nn.Module, p: Planner, infos: list[Planned]):
+        w = gguf_lib().GGUFWriter(None, self.fam.arch)
+        _hparams(w, model, p)
+        self.tokenizer = _tokenizer(w, self.source, model.config.vocab_size, self.fam)
+        for t in infos:
+            w.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes, raw_dtype=t.qtype)
+        return w
+
+    @staticmethod
+    def _emit(w, f) -> int:
+        """Header, metadata and tensor infos into ``f`` at its position; returns the position after them."""
+        w.fout, w.state = [f], gguf_lib().gguf_writer.WriterState.EMPTY
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.fout = None
+        return f.tell()
+
+    def start(self, model: nn.Module, linears: dict) -> None:
+        import io  # noqa: PLC0415
+
+        self.model, self.fam = model, _check(model)
+        skel = plan(model, self.fam)  # names and shapes, from the meta skeleton
+        infos = list(skel.plan)
+        emb = next((t for t in infos if t.name == "token_embd.weight"), None)
+        if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in linears and emb is not None:
+            infos.append(dataclasses.replace(emb, name="output.weight"))  # a tied head quantized: its own copy
+        self.expected = {t.name: t.logical for t in infos}
+        w = self._header(model, skel, infos)
+        self.alignment = w.data_alignment
+        self.data_start = w.ggml_pad(self._emit(w, io.BytesIO()), self.alignment)
+        self.p = Planner(model, self.fam)
+        self.f = open(self.file, "wb")  # noqa: SIM115 - closed by finish/close
+        self.f.seek(self.data_start)
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        self.bar = tqdm(total=len(self.expected), desc="gguf", unit="tensor", disable=not self.progress)
+
+    def write(self, unit: str, module: nn.Module) -> None:
+        gguf = gguf_lib()
+        for t in plan_module(self.p, module, unit):
+            if t.note.startswith("requantized") and not self.requantize:
+                raise MoeqError(f"{t.name}: {t.note}: it has no exact GGUF type, and exporting it would round moeq's "
+                                "already-rounded values a second time; use --method q4_0 (or q8_0, iq4nl) for a "
+                                "lossless GGUF, or pass --requantize to accept the double rounding")
+            a = np.ascontiguousarray(t.make())
+            if a.shape != t.shape or a.dtype != t.dtype:
+                raise RuntimeError(f"{t.name}: produced {a.shape} {a.dtype}, planned {t.shape} {t.dtype}")
+            if self.check and t.ref is not None and t.note == "exact":
+                got = gguf.quants.dequantize(a if a.ndim == 2 else a[0], t.qtype)
+                if not np.array_equal(got, t.ref()):
+                    raise MoeqError(f"{t.name}: gguf-py decodes the written {t.qtype.name} blocks to values that "
+                                    "differ from moeq's; nothing was written")
+                self.checked += 1
+            a.tofile(self.f)
+            self.f.write(bytes(gguf.GGUFWriter.ggml_pad(a.nbytes, self.alignment) - a.nbytes))
+            self.written.append(dataclasses.replace(t, make=None, ref=None))
+            self.bar.update()
+        self.p.plan = []
+
+    def finish(self, model: nn.Module) -> None:
+        got = {t.name: t.logical for t in self.written}
+        missing = sorted(set(self.expected) - set(got))
+        extra = sorted(set(got) - set(self.expected))
+        wrong = [f"{n} {list(got[n])} (expected {list(self.expected[n])})" for n in sorted(set(got) & set(self.expected))
+                 if tuple(got[n]) != tuple(self.expected[n])]
+        if missing or extra or wrong:
+            raise MoeqError("the streamed GGUF does not hold the model's tensors: "
+                            + "; ".join(f"{k}: {', '.join(v[:5])}" for k, v in
+                                        (("missing", missing), ("unexpected", extra), ("shape", wrong)) if v))
+        self.p.plan = self.written
+        w = self._header(self.model, self.p, self.written)
+        self.f.seek(0)
+        end = self._emit(w, self.f)
+        if w.ggml_pad(end, self.alignment) != self.data_start:  # fixed-width fields: the same size, or a bug
+            raise RuntimeError(f"GGUF header of {end} bytes does not end at its reserved {self.data_start}")
+        self.f.write(bytes(self.data_start - end))
+        self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+    def summary(self) -> dict:
+        types: dict[str, int] = {}
+        for t in self.written:
+            types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
+        requant = [f"{t.name}: {t.note}" for t in self.written if t.note.startswith("requantized")]
+        return {"file": self.file.name, "arch": self.fam.arch, "tokenizer": self.tokenizer,
+                "tensors": len(self.written), "bytes": sum(t.nbytes for t in self.written), "types": types,
+                "requantized": requant, "checked_by_gguf_py": self.checked,
+                "kept_unquantized": [t.name for t in self.written if t.note == "kept" and len(t.logical) >= 2]}

@@ -37,6 +37,7 @@ class Found:
     config: object = None
     qc: dict | None = None  # config.json's quantization_config as a dict (None: none)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    sink: object = None  # a :class:`~moeq.readers.state.Sink` taking each finished layer (streaming readers only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,12 @@ class Reader:
     name: str
     claims: Callable[[Found], bool]
     read: Callable[[Found, object, torch.dtype | None, bool], nn.Module]
+    streams: bool = True  # reads through LoadState, so takes a sink (Found.sink) and keeps one layer at a time
 
 
 READERS: list[Reader] = [
-    Reader("gguf", lambda f: f.gguf_file is not None, gguf.read),
-    Reader("moeq", saved.claims, saved.read),
+    Reader("gguf", lambda f: f.gguf_file is not None, gguf.read, streams=False),
+    Reader("moeq", saved.claims, saved.read, streams=False),
     Reader("compressed-tensors", compressed_tensors.claims, compressed_tensors.read),
     Reader("fp8", fp8.claims, fp8.read),
     Reader("mxfp4", mxfp4.claims, mxfp4.read),
@@ -73,14 +75,26 @@ def inspect(path: Path, device: torch.device) -> Found:
     return Found(path, ckpt=ckpt, config=config, qc=qc or None, device=device)
 
 
-def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: torch.device) -> nn.Module:
-    found = inspect(path, device)
+def claim(found: Found) -> Reader:
+    """The reader of a checkpoint: the first row of :data:`READERS` that claims it."""
     for reader in READERS:
         if reader.claims(found):
-            return reader.read(found, quant, dtype, progress)
-    raise MoeqError(f"{path}: checkpoints quantized with quant_method={found.qc.get('quant_method')!r} are not "
+            return reader
+    raise MoeqError(f"{found.path}: checkpoints quantized with quant_method={found.qc.get('quant_method')!r} are not "
                     "supported; moeq loads bf16/fp16, moeq, FP8 (block-scaled e4m3), MXFP4 (gpt-oss), GPTQ, AWQ, "
                     "bitsandbytes, compressed-tensors (pack-quantized, float-quantized FP8) and GGUF checkpoints")
+
+
+def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: torch.device, sink=None) -> nn.Module:
+    """Load ``path`` with its reader; ``sink`` (readers that stream): hand it each finished layer instead of keeping
+    the model (what is returned is then the emptied skeleton)."""
+    found = inspect(path, device)
+    reader = claim(found)
+    if sink is not None:
+        if not reader.streams:
+            raise MoeqError(f"{path}: a {reader.name} checkpoint is restored whole, not streamed layer by layer")
+        found.sink = sink
+    return reader.read(found, quant, dtype, progress)
 
 
 SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (without a method, with --method M)
@@ -108,7 +122,7 @@ SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (witho
 def describe(path: Path) -> dict:
     """What a checkpoint is and what loading it does (``moeq inspect``'s "source" section)."""
     found = inspect(path, torch.device("cpu"))
-    reader = next((r for r in READERS if r.claims(found)), None)
+    reader = next((r for r in READERS if r.claims(found)), None)  # unclaimed: described, not refused
     name = reader.name if reader else (found.qc or {}).get("quant_method", "unknown")
     out = {"reader": name, "quant_method": (found.qc or {}).get("quant_method")}
     if name == "fp8":

@@ -107,6 +107,6 @@ def read(found, quant, dtype, progress: bool):
     qc, ckpt = found.qc, found.ckpt
     dtype = compute_dtype(qc, dtype) or config_dtype(found.config, None)
     qcfg = QuantConfig.of(quant if quant is not None else inflight_config(qc))
-    state = LoadState(found.path, ckpt, found.config, qcfg, dtype, quantize_linears=False)
+    state = LoadState(found.path, ckpt, found.config, qcfg, dtype, quantize_linears=False, sink=found.sink)
     groups, member = quantized_groups(ckpt)
     return stream(state, member, lambda head: read_packed(ckpt, head, groups[head], dtype), progress)

@@ -159,6 +159,7 @@ def read(found, quant, dtype, progress: bool):
     if quant is not None:
         raise MoeqError(f"{found.path} is already quantized (compressed-tensors); load it without a method")
     dtype = compute_dtype(found.config, dtype)
-    state = LoadState(found.path, found.ckpt, found.config, QuantConfig.of("none"), dtype, quantize_linears=False)
+    state = LoadState(found.path, found.ckpt, found.config, QuantConfig.of("none"), dtype, quantize_linears=False,
+                      sink=found.sink)
     _, member = groups(found.ckpt)
     return stream(state, member, lambda head: read_weight(found.ckpt, found.qc, head, dtype), progress)

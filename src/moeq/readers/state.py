@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
@@ -174,12 +175,13 @@ def load_generation_config(model: nn.Module, path: Path) -> None:
             model.generation_config = GenerationConfig.from_pretrained(path)
 
 
-def finish_model(model: nn.Module, unused: list[str], config) -> nn.Module:
-    tie = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                  "tie_word_embeddings", False)
-    lm = getattr(model, "lm_head", None)
-    if tie and isinstance(lm, nn.Linear) and lm.weight.device.type == "meta":
-        lm.weight = model.get_input_embeddings().weight
+def tied_embeddings(config) -> bool:
+    return bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                        "tie_word_embeddings", False))
+
+
+def check_filled(model: nn.Module, unused: list[str]) -> None:
+    """Every parameter filled and every checkpoint key used, or an error naming them."""
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing or unused:
         parts = []
@@ -188,6 +190,13 @@ def finish_model(model: nn.Module, unused: list[str], config) -> nn.Module:
         if unused:
             parts.append(f"{len(unused)} checkpoint key(s) not used: {', '.join(unused[:10])}")
         raise MoeqError("; ".join(parts))
+
+
+def finish_model(model: nn.Module, unused: list[str], config) -> nn.Module:
+    lm = getattr(model, "lm_head", None)
+    if tied_embeddings(config) and isinstance(lm, nn.Linear) and lm.weight.device.type == "meta":
+        lm.weight = model.get_input_embeddings().weight
+    check_filled(model, unused)
     model.eval()
     model.requires_grad_(False)
     canonicalize_head_input(model)
@@ -205,13 +214,32 @@ def read_float(ckpt: Checkpoint, key: str, index: int | None = None) -> torch.Te
     return ckpt.read(key, index)
 
 
+class Sink(Protocol):
+    """Where a streamed load hands each finished part of the model instead of keeping it (a GGUF file written
+    while the checkpoint is read: :class:`moeq.export.gguf.Stream`)."""
+
+    def start(self, model: nn.Module, linears: dict) -> None:
+        """The skeleton (parameters on the meta device) and the linears the load will quantize, before any tensor."""
+
+    def write(self, unit: str, module: nn.Module) -> None:
+        """A complete decoder layer or top-level module, named ``unit``; freed once this returns."""
+
+    def finish(self, model: nn.Module) -> None:
+        """Every unit written."""
+
+
+class Written(nn.Module):
+    """What stays of a unit a :class:`Sink` took: nothing (a later key for it is reported as unused)."""
+
+
 class LoadState:
     """One streaming load: the skeleton, the experts builders and quantized linears it plans, and what the
     checkpoint's tensors have filled so far. ``quantize_linears=False`` keeps bf16 linears as the checkpoint holds
-    them (a pre-quantized checkpoint's skip list)."""
+    them (a pre-quantized checkpoint's skip list). ``sink``: each decoder layer (and each top-level module) goes to
+    it as soon as the checkpoint has filled it, and is freed: peak memory is one layer, not the model."""
 
     def __init__(self, path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dtype: torch.dtype,
-                 quantize_linears: bool = True):
+                 quantize_linears: bool = True, sink: Sink | None = None):
         self.path, self.ckpt, self.config, self.qcfg, self.dtype = path, ckpt, config, qcfg, dtype
         self.arch: Arch = get_arch(config)
         self.model = skeleton(config, dtype)
@@ -223,6 +251,46 @@ class LoadState:
         self.linears: dict[str, object] = linears if quantize_linears else {}
         self.pending_bias: dict[str, torch.Tensor] = {}
         self.unused: list[str] = []
+        self.sink = sink
+        if sink is not None:
+            self.layers = next((n for n, m in self.model.named_modules()
+                                if isinstance(m, nn.ModuleList) and n.rpartition(".")[2] == "layers"), None)
+            self.written: set[str] = set()
+            head = _head_name(self.model)
+            # a head tied to the embeddings but quantized gets its own copy at the end: the embeddings wait for it
+            self.held = {_embeddings_name(self.model), head} if tied_embeddings(config) and head in self.linears \
+                else set()
+            sink.start(self.model, self.linears)
+
+    def _unit(self, name: str) -> str:
+        """The part of the model a tensor belongs to: its decoder layer, else its module."""
+        if self.layers and name.startswith(self.layers + "."):
+            return ".".join(name.split(".")[: self.layers.count(".") + 2])
+        return name.rpartition(".")[0]
+
+    def _complete(self, unit: str) -> bool:
+        def under(n):
+            return n == unit or n.startswith(unit + ".")
+        if any(under(n) and not b.built for n, b in self.builders.items()) or any(map(under, self.linears)) \
+                or any(map(under, self.pending_bias)):
+            return False
+        try:
+            mod = self.model.get_submodule(unit) if unit else self.model
+        except AttributeError:
+            return False
+        return not any(t.device.type == "meta" for t in itertools.chain(mod.parameters(), mod.buffers()))
+
+    def _settle(self, name: str, force: bool = False) -> None:
+        """Hand the unit holding ``name`` to the sink once complete, and free it."""
+        if self.sink is None:
+            return
+        unit = self._unit(name)
+        if not unit or unit in self.written or (unit in self.held and not force) or not self._complete(unit):
+            return
+        self.sink.write(unit, self.model.get_submodule(unit))
+        set_module(self.model, unit, Written())
+        self.written.add(unit)
+        release_memory()
 
     def build_if_complete(self, mod: str) -> None:
         """Swap in an experts module as soon as all its pieces arrived: bounded memory (one module's pieces)."""
@@ -245,6 +313,7 @@ class LoadState:
             else:
                 b.put_fused(m["param"], lambda e: read_float(self.ckpt, key, e), self.ckpt.tensors[key].shape, key)
             self.build_if_complete(m["mod"])
+            self._settle(name)
             return
         mod_name, _, attr = name.rpartition(".")
         if mod_name in self.linears and attr == "weight":
@@ -263,6 +332,7 @@ class LoadState:
             self.pending_bias[mod_name] = b.to(lin.weight.dtype)
             return
         set_or_note_unused(self.model, name, self.ckpt.read(key), key, self.unused)
+        self._settle(name)
 
     def planned(self, key: str) -> FormatConfig | None:
         """The format this load's plan gives the weight ``key`` (an expert piece's slot, a planned linear's), None
@@ -283,6 +353,7 @@ class LoadState:
         bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
         set_module(self.model, mod_name, quantize_linear(mod_name, weight().to(lin.weight.dtype), bias,
                                                          self.linears.pop(mod_name)))
+        self._settle(mod_name + ".weight")
 
     def put_packed(self, head: str, q: PackedWeight) -> None:
         """An already-quantized weight (a pre-quantized checkpoint's): an expert slice, a quantized Linear, or — when
@@ -292,6 +363,7 @@ class LoadState:
         if m and m["mod"] in self.builders:
             self.builders[m["mod"]].put_packed(int(m["e"]), self.arch.proj_kind(m["proj"]), q, head)
             self.build_if_complete(m["mod"])
+            self._settle(name)
             return
         if FUSED_KEY_RE.match(name):
             raise MoeqError(f"{head}: quantized fused 3-D experts are not a bitsandbytes layout moeq knows")
@@ -306,9 +378,12 @@ class LoadState:
                                 f"(expected {list(mod.weight.shape)})")
             bias = existing_bias(mod, self.pending_bias.pop(mod_name, None))
             set_module(self.model, mod_name, QuantLinear(q, bias))
+            self.linears.pop(mod_name, None)  # placed as stored: the plan for it is done
+            self._settle(name)
             return
         log.info("%s: quantized in the checkpoint, dequantized into %s (its module is not a Linear)", head, self.dtype)
         set_tensor(self.model, name, q.dequantize(self.dtype), head)
+        self._settle(name)
 
     def put_dense(self, head: str, w: torch.Tensor) -> None:
         """A weight the reader computed (a pre-quantized one dequantized exactly, to be re-quantized): placed as a
@@ -319,18 +394,20 @@ class LoadState:
         if m and m["mod"] in self.builders:
             self.builders[m["mod"]].put(int(m["e"]), self.arch.proj_kind(m["proj"]), w, head)
             self.build_if_complete(m["mod"])
+            self._settle(name)
             return
         mod_name = name[: -len(".weight")]
         if mod_name in self.linears:
             self._quantize_linear(mod_name, head, w.shape, lambda: w)
             return
         set_tensor(self.model, name, w.to(self.dtype), head)
+        self._settle(name)
 
     def _quantize_tied_head(self) -> None:
         """A rule quantizing a head tied to the embeddings (the checkpoint holds no lm_head weight): the head gets its
         own quantized copy of the embedding matrix, the embeddings stay in the compute dtype."""
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        name = next((n for n, m in self.model.named_modules() if m is head), None)
+        name = _head_name(self.model)
         if name not in self.linears or not isinstance(head, nn.Linear) or head.weight.device.type != "meta":
             return
         emb = self.model.get_input_embeddings().weight
@@ -349,6 +426,30 @@ class LoadState:
         if incomplete:
             raise MoeqError(f"checkpoint {self.path} lacks expert weights: {'; '.join(incomplete[:10])}"
                             + (f" (+{len(incomplete) - 10} more)" if len(incomplete) > 10 else ""))
+        if self.sink is not None:
+            return self._finish_streamed()
         self.model.config.quantization_config = quantization_config(self.model, self.qcfg)
         load_generation_config(self.model, self.path)
         return finish_model(self.model, self.unused, self.config)
+
+    def _finish_streamed(self) -> nn.Module:
+        """The held units (embeddings and a tied head quantized from them), then the checks of
+        :func:`finish_model` on what is left (a unit never completed keeps its meta parameters: named there)."""
+        for unit in sorted(self.held):
+            self._settle(unit + ".weight", force=True)
+        head = _head_name(self.model)
+        if tied_embeddings(self.config) and head and head not in self.written:  # llama.cpp ties it to the embeddings
+            set_module(self.model, head, Written())
+        check_filled(self.model, self.unused)
+        self.sink.finish(self.model)
+        return self.model
+
+
+def _head_name(model: nn.Module) -> str | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _embeddings_name(model: nn.Module) -> str | None:
+    emb = model.get_input_embeddings()
+    return next((n for n, m in model.named_modules() if m is emb), None)
