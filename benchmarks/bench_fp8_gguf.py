@@ -1,7 +1,7 @@
 """FP8 checkpoint -> Q4_0 GGUF in one streamed command, against the same export from the bf16 checkpoint, on the
 ``moeq bench`` model (Qwen3-30B-A3B's layer shapes, 4 layers, vocab 151936): wall time, read GB/s and peak RSS of
-``moeq export SRC model.gguf --format gguf --method q4_0`` (the export's own KL check included), each in a fresh
-process, and the load alone (``moeq.load(SRC, "q4_0")``). The FP8 checkpoint is the bench checkpoint in DeepSeek's
+``moeq export SRC model.gguf --format gguf --method q4_0`` (streamed layer by layer, every Q4_0 tensor decoded back by
+gguf-py), each in a fresh process, and the load alone (``moeq.load(SRC, "q4_0")``). The FP8 checkpoint is the bench checkpoint in DeepSeek's
 block-scaled layout (128x128 tiles, ``moeq.tiny.to_fp8``), written once.
 
     python benchmarks/bench_fp8_gguf.py --out benchmarks/results/fp8_gguf.json
@@ -77,7 +77,7 @@ def main() -> None:
                     summary = {}
                 row = {"round": r, "source": kind, "source_bytes": size[kind], "gguf_bytes": out.stat().st_size,
                        **res, "read_gbps": size[kind] / res["seconds"] / 1e9,
-                       "kl_vs_moeq": summary.get("kl_vs_moeq")}
+                       **{k: summary.get(k) for k in ("streamed", "checked_by_gguf_py", "kl_vs_moeq")}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 p = subprocess.run([sys.executable, "-c", LOAD, str(src)], capture_output=True, text=True, check=True)

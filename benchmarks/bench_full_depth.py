@@ -6,9 +6,10 @@ Steps, each in a fresh process (peak RSS per step, from the kernel's VmHWM):
 1. source — the model as Qwen3-30B-A3B-FP8 ships it (DeepSeek's layout: e4m3 weights + 128x128 block scales, ~31 GB
    at 48 layers; its bf16 form, 61 GB, would not fit this disk beside the outputs). With less free disk than source +
    GGUF + a margin, the layer count is scaled down and the JSON says so.
-2. quantize + export — ``moeq.load(SOURCE, q4_0)`` streams the FP8 checkpoint tensor by tensor, re-quantized in flight
-   (the head and embeddings kept bf16), and ``export(..., "gguf")`` writes it as llama.cpp's Q4_0 blocks, bit-exact:
-   load seconds, export seconds, peak RSS.
+2. quantize + export in one streamed pass — ``moeq.export.export_checkpoint(SOURCE, OUT.gguf, "gguf", q4_0)``, what
+   ``moeq export SOURCE OUT.gguf --format gguf --method q4_0`` runs: the FP8 checkpoint read tensor by tensor,
+   re-quantized in flight (head and embeddings kept bf16), each decoder layer written as llama.cpp's Q4_0 blocks and
+   freed as soon as it is complete, every Q4_0 tensor decoded back by gguf-py: seconds, GB/s of source read, peak RSS.
 3. rounds, alternating: moeq (``moeq.load(GGUF)``: load seconds, time to the first token of a 32-token prompt,
    decode b1 of 128 tokens, prefill 512, peak RSS) and ``llama-bench -p 512 -n 128 -r 2`` on the same file.
 
@@ -40,19 +41,19 @@ MARGIN = 6 * GB
 
 QUANTIZE = r"""
 import json, sys, time
-import moeq
+from pathlib import Path
 from moeq import bench
-from moeq.export import export
+from moeq.export import export_checkpoint
 from moeq.tiny import tiny_tokenizer
-src, gguf, method, tok = sys.argv[1:5]
+src, gguf, method = sys.argv[1:4]
+if not (Path(src) / "tokenizer.json").exists():  # random weights: a byte-level tokenizer (GGUF pads the vocabulary)
+    tiny_tokenizer().save_pretrained(src)
 t = time.perf_counter()
-m = moeq.load(src, method, progress=False)
-load_s = time.perf_counter() - t
-tiny_tokenizer().save_pretrained(tok)  # random weights, no tokenizer: a byte-level one (GGUF pads the vocabulary)
-t = time.perf_counter()
-export(m, gguf, "gguf", source=tok, overwrite=True, check=False)
-print(json.dumps({"load_seconds": load_s, "export_seconds": time.perf_counter() - t,
-                  "peak_rss_bytes": bench.peak_rss()}))
+s = export_checkpoint(src, gguf, "gguf", quant=method, overwrite=True, progress=False)
+sec = time.perf_counter() - t
+read = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))
+print(json.dumps({"seconds": sec, "source_gbps": read / sec / 1e9, "peak_rss_bytes": bench.peak_rss(),
+                  "tensors": s["tensors"], "checked_by_gguf_py": s["checked_by_gguf_py"], "types": s["types"]}))
 """
 MOEQ = r"""
 import json, sys, time, torch
@@ -62,11 +63,13 @@ t = time.perf_counter()
 m = moeq.load(sys.argv[1], progress=False)
 load_s = time.perf_counter() - t
 rss_loaded = bench.peak_rss()
+parts = bench.rss_parts()
 ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
 t = time.perf_counter()
 m.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
 ttft = time.perf_counter() - t
 out = {"load_seconds": load_s, "first_token_seconds": ttft, "rss_after_load_bytes": rss_loaded,
+       "rss_anon_after_load_bytes": parts.get("anon"), "rss_file_after_load_bytes": parts.get("file"),
        "decode_tps": bench.decode_tps(m, 1, prompt=32, new=128, reps=2),
        "prefill512_tps": 512 / min(bench.prefill_seconds(m, 512, False) for _ in range(2))}
 out["peak_rss_bytes"] = bench.peak_rss()
@@ -123,15 +126,15 @@ def main() -> None:
     result = {"cpu": bench.cpu_summary(), "threads": args.threads, "layers": layers, "note": note,
               "method": args.method, "llama_bench": str(exe), "llama_cpp_build": build_flags(exe), "steps": {}}
     if not gguf.exists():
-        t = time.perf_counter()
-        child("import json, sys; from pathlib import Path; from moeq import bench; "
-              "bench.write_model(Path(sys.argv[1]), int(sys.argv[2]), fp8=True); print(json.dumps({}))",
-              str(src), str(layers))
-        result["steps"]["source"] = {"seconds": time.perf_counter() - t,
-                                     "bytes": sum(f.stat().st_size for f in src.iterdir())}
+        if not (src / "done").exists():
+            t = time.perf_counter()
+            child("import json, sys; from pathlib import Path; from moeq import bench; "
+                  "bench.write_model(Path(sys.argv[1]), int(sys.argv[2]), fp8=True); print(json.dumps({}))",
+                  str(src), str(layers))
+            result["steps"]["source"] = {"seconds": time.perf_counter() - t}
+        result["steps"].setdefault("source", {})["bytes"] = sum(f.stat().st_size for f in src.iterdir())
         print(json.dumps(result["steps"]["source"]), flush=True)
-        result["steps"]["quantize_export"] = child(QUANTIZE, str(src), str(gguf), args.method,
-                                                   str(cache / "bench-tokenizer"))
+        result["steps"]["quantize_export"] = child(QUANTIZE, str(src), str(gguf), args.method)
         result["steps"]["quantize_export"]["gguf_bytes"] = gguf.stat().st_size
         print(json.dumps(result["steps"]["quantize_export"]), flush=True)
         if not args.keep_source:

@@ -39,29 +39,32 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from llamacpp import CACHE, find_tool  # noqa: E402
 
 
-def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None) -> dict:
+def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None, batches: list[int] = (4,)) -> dict:
     out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", "512,2048", "-n", "128", "-r", "2",
                           "-o", "json"], capture_output=True, text=True, check=True, timeout=1800).stdout
     rows = json.loads(out)
     get = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
     res = {"decode_tps": get[(0, 128)], "prefill512_tps": get[(512, 0)], "prefill2048_tps": get[(2048, 0)]}
-    if batched is not None:  # 4 sequences decoding together (aggregate tok/s), 32-token prompts as moeq's
-        out = subprocess.run([str(batched), "-m", str(gguf), "-t", str(threads), "-c", "2048", "-b", "2048",
-                              "-ub", "512", "-npp", "32", "-ntg", "128", "-npl", "4", "--output-format", "jsonl"],
-                             capture_output=True, text=True, check=True, timeout=1800).stdout
-        row = [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]
-        res["decode_b4_tps"] = row["speed_tg"]
+    if batched is not None and batches:  # B sequences decoding together (aggregate tok/s), 32-token prompts as moeq's
+        ctx = max(batches) * (32 + 128)
+        out = subprocess.run([str(batched), "-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", "2048",
+                              "-ub", "512", "-npp", "32", "-ntg", "128", "-npl", ",".join(map(str, batches)),
+                              "--output-format", "jsonl"], capture_output=True, text=True, check=True,
+                             timeout=3600).stdout
+        for row in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
+            res[f"decode_b{row['pl']}_tps"] = row["speed_tg"]
     return res
 
 
-def moeq_measure(model, prefill: bool = True) -> dict:
-    dec = bench.decode_tps(model, 1, prompt=32, new=128, reps=2)
-    dec4 = bench.decode_tps(model, 4, prompt=32, new=128, reps=2)
+def moeq_measure(model, prefill: bool = True, batches: list[int] = (4,)) -> dict:
+    res = {"decode_tps": bench.decode_tps(model, 1, prompt=32, new=128, reps=2)}
+    for b in batches:
+        res[f"decode_b{b}_tps"] = bench.decode_tps(model, b, prompt=32, new=128, reps=2)
     if not prefill:
-        return {"decode_tps": dec, "decode_b4_tps": dec4}
+        return res
     pre = min(bench.prefill_seconds(model, 512, False) for _ in range(2))
     pre2k = min(bench.prefill_seconds(model, 2048, False) for _ in range(2))
-    return {"decode_tps": dec, "decode_b4_tps": dec4, "prefill512_tps": 512 / pre, "prefill2048_tps": 2048 / pre2k}
+    return res | {"prefill512_tps": 512 / pre, "prefill2048_tps": 2048 / pre2k}
 
 
 def quant_config(method: str) -> QuantConfig:
@@ -79,6 +82,8 @@ def main() -> None:
                     help="methods, or METHOD+head:HEAD (see quant_config); OURS=THEIRS pairs different weights, e.g. "
                          "rtn-int4+head:q8_0=q4_0+head:q8_0 (moeq's rtn-int4 preset against llama.cpp's Q4_0)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="*", default=[4, 8, 16],
+                    help="concurrent sequences for the aggregate decode rows (llama-batched-bench -npl)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
@@ -124,11 +129,12 @@ def main() -> None:
         for rnd in range(args.rounds):
             t0 = time.time()
             bw = bench.memory_bandwidth()
-            theirs = llama_bench(exe, gguf, args.threads, batched)
+            theirs = llama_bench(exe, gguf, args.threads, batched, args.batches)
             row = {"method": method, "round": rnd, "llama.cpp": theirs}
             for mode in ("default", "int8") if args.activations == "both" else (args.activations,):
                 moeq.set_activations(model, mode)
-                row["moeq" if mode == "default" else "moeq int8"] = moeq_measure(model, prefill=mode == "default")
+                row["moeq" if mode == "default" else "moeq int8"] = moeq_measure(model, prefill=mode == "default",
+                                                                                 batches=args.batches)
             bw = max(bw, bench.memory_bandwidth())  # probed around both systems' runs in this round
             rows.append({**row, "bandwidth_gbps": bw / 1e9, "bytes_per_token": bpt, "roofline_tps": bw / bpt,
                          "bytes_per_token_llama.cpp": bpt_theirs, "roofline_tps_llama.cpp": bw / bpt_theirs,
@@ -151,8 +157,10 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
                 cell = b.setdefault(sys_, {})
                 cell[k] = max(cell.get(k, 0.0), v)
     write_json(out, {**meta, "rounds": rows, "best": best})
-    keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "prefill 512"),
-            ("prefill2048_tps", "prefill 2048")]
+    seen = {k for b in best.values() for k in b["moeq"]}
+    keys = [("decode_tps", "decode b1")] + [(f"decode_b{n}_tps", f"decode b{n}") for n in (4, 8, 16)
+                                           if f"decode_b{n}_tps" in seen] + [("prefill512_tps", "prefill 512"),
+                                                                            ("prefill2048_tps", "prefill 2048")]
     print("\n| weights | " + " | ".join(f"{label} llama.cpp / moeq tok/s (ratio)" for _, label in keys)
           + " | b1 roofline tok/s (llama.cpp / moeq fraction) |\n|---" * 1 + "|---" * (len(keys) + 1) + "|")
     for method, b in best.items():

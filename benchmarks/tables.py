@@ -40,8 +40,10 @@ def vs_llamacpp(name: str) -> str:
     """Best round (and the median in brackets) of each system, per pairing, from a ``bench_vs_llamacpp.py`` run."""
     d = json.loads((RESULTS / name).read_text())
     cpu = d["cpu"]["model"]
-    keys = [("decode_tps", "decode b1"), ("decode_b4_tps", "decode b4"), ("prefill512_tps", "pp512"),
-            ("prefill2048_tps", "pp2048")]
+    seen = {k for b in d["best"].values() for k in b["moeq"]}
+    keys = [("decode_tps", "decode b1")] + [(f"decode_b{n}_tps", f"decode b{n}") for n in (4, 8, 16)
+                                           if f"decode_b{n}_tps" in seen] + [("prefill512_tps", "pp512"),
+                                                                            ("prefill2048_tps", "pp2048")]
     head = "| weights (both engines) | " + " | ".join(f"{h}: llama.cpp / moeq tok/s" for _, h in keys) + " |"
     lines = [f"{d['threads']} threads, {cpu} ({d['isa']} builds; `benchmarks/results/{name}`); best round, "
              "median in brackets:", "", head, "|---" * (len(keys) + 1) + "|"]
@@ -121,11 +123,40 @@ def serve(name: str = "serve.json") -> str:
     return "\n".join(lines)
 
 
+def full_depth(name: str = "full_depth.json") -> str:
+    """``bench_full_depth.py``: the full 48-layer Qwen3-30B-A3B shape, from its FP8 checkpoint to a streamed GGUF,
+    then both engines on that file (best round, median in brackets)."""
+    d = json.loads((RESULTS / name).read_text())
+    q = d["steps"]["quantize_export"]
+    gb = 1e9
+    src = d["steps"]["source"]["bytes"] / gb
+    lines = [f"{d['threads']} threads, {d['cpu']['model']} (llama.cpp: {d['llama_cpp_build'].split(',')[0]} build; "
+             f"`benchmarks/results/{name}`); {d['layers']} layers, 128 experts, top-8, vocab 151936, "
+             f"{d['method']} experts + attention, bf16 head:", "",
+             "| step | llama.cpp | moeq |", "|---|---|---|",
+             f"| FP8 checkpoint ({src:.1f} GB) to {d['method']} GGUF ({q['gguf_bytes'] / gb:.1f} GB) | two steps through "
+             f"a ~{src * 2:.0f} GB BF16 GGUF (`convert_hf_to_gguf.py`, `llama-quantize`; not run: disk) | "
+             f"{q['seconds']:.0f} s, one streamed pass, peak RSS {q['peak_rss_bytes'] / gb:.2f} GB |"]
+    m = [r["moeq"] for r in d["rounds"]]
+    best = min(m, key=lambda r: r["load_seconds"])
+    anon = best.get("rss_anon_after_load_bytes")
+    lines.append(f"| load the GGUF; first token of a 32-token prompt | not timed by `llama-bench` | "
+                 f"{best['load_seconds']:.0f} s; "
+                 f"{best['first_token_seconds']:.2f} s" + (f"; resident {anon / gb:.1f} GB" if anon else "") + " |")
+    for key, label in (("decode_tps", "decode b1 tok/s"), ("prefill512_tps", "pp512 tok/s")):
+        lb, mb = d["best"]["llama.cpp"][key], d["best"]["moeq"][key]
+        lm = statistics.median(r["llama.cpp"][key] for r in d["rounds"])
+        mm = statistics.median(r["moeq"][key] for r in d["rounds"])
+        lines.append(f"| {label} | {lb:.1f} | {mb:.1f} ({mb / lb:.2f}x) [{mm / lm:.2f}x] |")
+    return "\n".join(lines)
+
+
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
           "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
-          "exports": exports, "gpu": gpu, "serve": serve}
+          "exports": exports, "gpu": gpu, "serve": serve,
+          "full_depth": full_depth}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

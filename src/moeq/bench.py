@@ -116,6 +116,20 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_parts() -> dict[str, int]:
+    """Resident bytes now, split as the kernel counts them: ``anon`` (the process's own memory, which must fit in
+    RAM) and ``file`` (pages of memory-mapped files, which the kernel drops and re-reads under pressure)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = {"RssAnon:": "anon", "RssFile:": "file"}.get(line.split(" ")[0].split("\t")[0])
+            if key:
+                out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def memory_bandwidth(gb: float = 1.0, repeat: int = 5) -> float:
     """Read bandwidth in bytes/s: best of a few sums over a buffer far larger than the caches."""
     x = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)

@@ -69,6 +69,7 @@ class ExpertsBuilder:
                             f"{self.fmt.label()} and {self.fmt2.label()})")
         self.num_experts, self.hidden, self.inter = experts_dims(module, arch)
         self.pieces: dict[tuple[int, str], PackedWeight | torch.Tensor] = {}
+        self.stacks: dict[str, PackedWeight] = {}  # a kind's weight for every expert at once ``[E, N, K]``
         self.has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
         self.biases: dict[str, torch.Tensor] = {}
         self.built = False
@@ -87,7 +88,7 @@ class ExpertsBuilder:
             raise MoeqError(f"{where}: shape {list(shape)} does not match the config "
                              f"(expected {list(self.expected_shape(kind))})")
         self._check_open(where)
-        if (e, kind) in self.pieces:
+        if (e, kind) in self.pieces or kind in self.stacks:
             raise MoeqError(f"{where}: expert {e} {kind} given twice")
 
     def put(self, e: int, kind: str, w: torch.Tensor, key: str = "") -> None:
@@ -103,6 +104,17 @@ class ExpertsBuilder:
         """An already-quantized piece (a pre-quantized checkpoint's per-expert weight)."""
         self._check_piece(e, kind, q.shape, key)
         self.pieces[(e, kind)] = q
+
+    def put_packed_stack(self, kind: str, q: PackedWeight, key: str) -> None:
+        """One kind (gate, up or down) already quantized for every expert as one ``[E, N, K]`` weight of a
+        row-indexed format (a GGUF file's expert tensors): joined into ``w13``/``w2`` without a split per expert."""
+        want = (self.num_experts, *self.expected_shape(kind))
+        if tuple(q.shape) != want:
+            raise MoeqError(f"{key}: shape {list(q.shape)} does not match the config (expected {list(want)})")
+        self._check_open(key)
+        if kind in self.stacks or any(k == kind for _, k in self.pieces):
+            raise MoeqError(f"{key}: the experts' {kind} weight given twice")
+        self.stacks[kind] = q
 
     def put_fused(self, param: str, get_slice, shape: tuple[int, ...], key: str) -> None:
         """A 3-D fused parameter; ``get_slice(e)`` returns expert e's 2-D slice in the model's layout."""
@@ -130,7 +142,7 @@ class ExpertsBuilder:
         if self.built:
             return []
         out = [f"{self.name}: expert {e} {k}" for e in range(self.num_experts) for k in KINDS
-               if (e, k) not in self.pieces]
+               if (e, k) not in self.pieces and k not in self.stacks]
         if self.has_bias:
             out += [f"{self.name}.{p}_bias" for p in ("gate_up_proj", "down_proj") if p not in self.biases]
         return out
@@ -139,6 +151,20 @@ class ExpertsBuilder:
         if self.missing():
             raise MoeqError("incomplete experts: " + "; ".join(self.missing()[:8]))
         e_range = range(self.num_experts)
+        if len(self.stacks) == len(KINDS):  # every kind as one stack: w13 = gate rows then up rows
+            gate, up, down = (self.stacks[k] for k in ("gate", "up", "down"))
+            try:
+                w13 = type(gate).concat_rows([gate, up])
+            except ValueError as err:
+                raise MoeqError(f"{self.name}: {err}") from None
+            self.stacks.clear()
+            self.built = True
+            return QuantExperts(w13, down, self.activation, self.biases.get("gate_up_proj"),
+                                self.biases.get("down_proj"), weight_on_input=self.arch.weight_on_input)
+        for kind, q in self.stacks.items():  # stacks beside per-expert pieces: as pieces
+            for e in e_range:
+                self.pieces[(e, kind)] = q[e]
+        self.stacks.clear()
         plain = [isinstance(p, torch.Tensor) for p in self.pieces.values()]
         if any(plain) and not all(plain):
             raise MoeqError(f"{self.name}: some expert weights are quantized in the checkpoint and some are not")

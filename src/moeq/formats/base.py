@@ -223,6 +223,25 @@ class PackedWeight:
             tensors[n] = torch.stack([torch.cat([getattr(p, n) for p in g], 0) for g in groups])
         return dataclasses.replace(groups[0][0], **tensors, shape=shape)
 
+    @classmethod
+    def concat_rows(cls, parts: list[Self]) -> Self:
+        """``[E, N_j, K]`` stacks of one format and settings -> one ``[E, sum N_j, K]`` (e.g. every expert's gate
+        rows then its up rows): each tensor concatenated along its rows (dim 1). Row-indexed formats only."""
+        first = parts[0]
+        if not cls.row_sliceable:
+            raise MoeqError(f"{cls.__name__} stacks cannot be joined by rows")
+        for p in parts:
+            if p.meta() | {"shape": None} != first.meta() | {"shape": None} or len(p.shape) != 3 or (
+                    p.shape[0], p.shape[2]) != (first.shape[0], first.shape[2]):
+                raise MoeqError(f"cannot join {type(p).__name__} stacks of different settings or shapes: "
+                                f"{p.meta()} vs {first.meta()}")
+            if any(t.dim() != 3 or t.shape[:2] != p.shape[:2] for t in p.tensors().values()):
+                raise MoeqError(f"{cls.__name__} stacks do not hold one row of each tensor per weight row")
+        tensors = {n: torch.cat([getattr(p, n) for p in parts], 1) for n in cls.tensor_names()
+                   if getattr(first, n) is not None}
+        return dataclasses.replace(first, **tensors, shape=(first.shape[0], sum(p.shape[1] for p in parts),
+                                                            first.shape[2]))
+
     row_sliceable = True  # any row range of a 2-D weight is a valid weight (see Bnb4Weight)
 
     def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

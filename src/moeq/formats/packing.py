@@ -82,14 +82,28 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 # The il16 decode layout of 4-bit stacks (moeq/native/csrc/il16_rows.h): within each block of 16 rows, the
 # [16 rows, units] grid transposed to [units, 16 rows]; a unit is 2 bytes of packed 4-bit codes (4 elements) or one
 # group's scale. Pure permutations of a tensor's last two dims (N % 16 == 0), exactly invertible.
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _units(t: torch.Tensor, unit: int) -> tuple[torch.Tensor, int]:
+    """``t`` with each unit of ``unit`` elements as one wider integer where one exists (2.5x faster permutes of
+    2-byte units than moving bytes), and the unit's length in that view."""
+    word = _WORDS.get(unit * t.element_size())
+    if unit > 1 and word is not None and t.is_contiguous():
+        return t.view(word), 1
+    return t, unit
+
+
 def to_il16(t: torch.Tensor, unit: int) -> torch.Tensor:
     """``[..., N, C]`` (``C % unit == 0``) in il16's order, same shape: per 16-row block ``[16, C/unit, unit]`` ->
     ``[C/unit, 16, unit]``."""
-    *lead, n, c = t.shape
-    return t.reshape(*lead, n // 16, 16, c // unit, unit).transpose(-3, -2).contiguous().reshape(t.shape)
+    v, u = _units(t, unit)
+    *lead, n, c = v.shape
+    return v.reshape(*lead, n // 16, 16, c // u, u).transpose(-3, -2).contiguous().view(t.dtype).reshape(t.shape)
 
 
 def from_il16(t: torch.Tensor, unit: int) -> torch.Tensor:
     """The inverse of :func:`to_il16`."""
-    *lead, n, c = t.shape
-    return t.reshape(*lead, n // 16, c // unit, 16, unit).transpose(-3, -2).contiguous().reshape(t.shape)
+    v, u = _units(t, unit)
+    *lead, n, c = v.shape
+    return v.reshape(*lead, n // 16, c // u, 16, u).transpose(-3, -2).contiguous().view(t.dtype).reshape(t.shape)

@@ -144,6 +144,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_cb4_scale_codes": (None, [_P, _I, _I, _P, _P]),
     "moeq_int8_dequant": (None, [_P, _P, _I, _I, _P, _INT]),
     "moeq_fp8_dequant": (_INT, [_P, _P, _I, _I, _I, _I, _I, _P, _INT]),
+    "moeq_ggml_unpack": (None, [_P, _I, _INT, _INT, _P, _P]),
     # gemv.c
     "moeq_has_dpbf16": (_INT, []),
     "moeq_simd_level": (_INT, []),

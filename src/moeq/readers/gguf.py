@@ -155,15 +155,12 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
     e8m0 = GRIDS[grid].ggml_head == "e8m0"
     head = 1 if e8m0 else 2  # MXFP4: an E8M0 exponent byte; the others an fp16 scale
     per = head + 32 * bits // 8
+    native = _unpack_native(blocks, bits, head, shape) if bits in (4, 8) else None
+    if native is not None:
+        qdata, heads = native
+        return _rtn_weight(qdata, heads, e8m0, bits, shape, name, grid)
     b = torch.from_numpy(np.array(blocks, copy=True)).reshape(*shape[:-1], shape[-1] // 32, per)
     qs = b[..., head:]
-    if e8m0:
-        e = b[..., 0].to(torch.int32)
-        if bool((e == 255).any()):
-            raise MoeqError(f"{name}: MXFP4 exponent 255 (E8M0 NaN)")
-        d = torch.ldexp(torch.ones(e.shape), e - 128)
-    else:
-        d = b[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [..., N, K/32]
     if bits == 5:  # Q5_0: qh (4 bytes, bit j = element j's fifth bit), then the Q4_0 nibble layout
         hi = torch.stack([(qs[..., :4] >> i) & 1 for i in range(8)], dim=-1).flatten(-2)
         codes = torch.cat([qs[..., 4:] & 0xF, qs[..., 4:] >> 4], dim=-1) | (hi << 4)
@@ -173,6 +170,35 @@ def _rtn_from_blocks(blocks: np.ndarray, bits: int, shape: tuple[int, ...], name
         qdata = (codes[..., 0::2] | (codes[..., 1::2] << 4)).flatten(-2)
     else:
         qdata = (qs.contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).flatten(-2)
+    return _rtn_weight(qdata, b[..., :head].contiguous(), e8m0, bits, shape, name, grid)
+
+
+def _unpack_native(blocks: np.ndarray, bits: int, head: int, shape: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """4/8-bit blocks -> (codes ``[..., N, K * bits / 8]``, scale bytes ``[..., N, K/32, head]``) by
+    ``moeq_ggml_unpack``, one pass straight from the memory-mapped file; None without the native library."""
+    from moeq import native  # noqa: PLC0415
+
+    L = native.lib()
+    nb = math.prod(shape) // 32
+    if L is None or not blocks.flags.c_contiguous or blocks.nbytes != nb * (head + 32 * bits // 8):
+        return None
+    codes = torch.empty(*shape[:-1], shape[-1] * bits // 8, dtype=torch.uint8)
+    heads = torch.empty(*shape[:-1], shape[-1] // 32, head, dtype=torch.uint8)
+    L.moeq_ggml_unpack(blocks.ctypes.data, nb, bits, head, native.ptr(codes), native.ptr(heads))
+    return codes, heads
+
+
+def _rtn_weight(qdata: torch.Tensor, heads: torch.Tensor, e8m0: bool, bits: int, shape: tuple[int, ...], name: str,
+                grid: str) -> RTNWeight:
+    """Codes in moeq's order and each block's scale bytes ``[..., N, K/32, head]`` -> the RTN weight."""
+    if e8m0:
+        e = heads[..., 0].to(torch.int32)
+        if bool((e == 255).any()):
+            raise MoeqError(f"{name}: MXFP4 exponent 255 (E8M0 NaN)")
+        d = torch.ldexp(torch.ones(e.shape), e - 128)
+    else:
+        d = heads.view(torch.float16).squeeze(-1)  # [..., N, K/32]
     scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(d.dtype), d) else d.float()
     return RTNWeight(qdata=qdata.contiguous(), scale=scale.contiguous(), zero=None, bits=bits, group_size=32,
                      grid=grid, shape=tuple(shape), dtype=torch.bfloat16).validate(name)
@@ -254,8 +280,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             row, bits = from_ggml(qtype)
             w = _rtn_from_blocks(data, bits, logical, t.name, row.name)
             if kind.startswith("experts."):
-                for e in range(logical[0]):
-                    state.put_packed(arch.disk_expert_key(hf, e, kind.split(".")[1]) + ".weight", w[e])
+                state.put_packed_stack(hf, kind.split(".")[1], w, t.name)
             else:
                 state.put_packed(hf, w)
             continue

@@ -355,6 +355,15 @@ class LoadState:
                                                          self.linears.pop(mod_name)))
         self._settle(mod_name + ".weight")
 
+    def put_packed_stack(self, mod: str, kind: str, q: PackedWeight, key: str) -> None:
+        """One kind (gate/up/down) of the experts module ``mod``, quantized for every expert as one ``[E, N, K]``
+        weight (a GGUF file's ``ffn_*_exps`` tensors)."""
+        if mod not in self.builders:
+            raise MoeqError(f"{key}: {mod!r} is not an experts module of the model built from config.json")
+        self.builders[mod].put_packed_stack(kind, q, key)
+        self.build_if_complete(mod)
+        self._settle(mod + ".down_proj")
+
     def put_packed(self, head: str, q: PackedWeight) -> None:
         """An already-quantized weight (a pre-quantized checkpoint's): an expert slice, a quantized Linear, or — when
         transformers 5 holds that module as a plain weight (routers) — dequantized once into the compute dtype."""

@@ -262,6 +262,7 @@ void moeq_cb4_scale_codes(const uint16_t* scale, i64 rows, i64 G, int8_t* sc, ui
 void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
                       const uint16_t* sup, uint8_t* q);
 void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void* out, int out_bf16);
+void moeq_ggml_unpack(const uint8_t* blocks, i64 nb, int bits, int head, uint8_t* codes, uint8_t* heads);
 int moeq_fp8_dequant(const uint8_t* q, const float* s, i64 lead, i64 N, i64 K, i64 bn, i64 bk, void* out,
                      int out_bf16);
 // internal (quants.c): the two dequantizers above over rows r0..r1-1, serially (out holds row r0 first)

@@ -297,6 +297,27 @@ void moeq_int8_dequant(const int8_t* w, const float* scb, i64 rows, i64 K, void*
     }
 }
 
+// llama.cpp's 32-weight blocks -> moeq's RTN codes, in one pass: each block is `head` scale bytes (an fp16 scale,
+// or MXFP4's E8M0 exponent byte) then the codes. 4-bit (Q4_0, IQ4_NL, MXFP4): 16 bytes, byte j = element j (low
+// nibble) and element j + 16 (high) -> two per byte in order, element 2i in the low nibble. 8-bit (Q8_0): 32 int8
+// -> code + 128. codes: nb x (32 * bits / 8) bytes; heads: the nb x head scale bytes gathered.
+void moeq_ggml_unpack(const uint8_t* blocks, i64 nb, int bits, int head, uint8_t* codes, uint8_t* heads) {
+    const i64 per = head + 32 * bits / 8, out = 32 * bits / 8;
+#pragma omp parallel for schedule(static)
+    for (i64 b = 0; b < nb; b++) {
+        const uint8_t* g = blocks + b * per;
+        uint8_t* o = codes + b * out;
+        for (int j = 0; j < head; j++) heads[b * head + j] = g[j];
+        g += head;
+        if (bits == 4) {
+            for (int i = 0; i < 8; i++) o[i] = (uint8_t)((g[2 * i] & 0xF) | ((g[2 * i + 1] & 0xF) << 4));
+            for (int i = 0; i < 8; i++) o[8 + i] = (uint8_t)((g[2 * i] >> 4) | (g[2 * i + 1] & 0xF0));
+        } else {
+            for (int i = 0; i < 32; i++) o[i] = (uint8_t)(g[i] + 128);
+        }
+    }
+}
+
 // FP8 e4m3fn block-scaled weights (DeepSeek's layout): w[i][j] = e4m3(q[i][j]) * s[i / bn][j / bk] in fp32, then
 // bf16 (round to nearest even) or fp32: the arithmetic of the torch reference (moeq.readers.fp8.dequantize).
 // q: lead x N x K codes, s: lead x ceil(N/bn) x ceil(K/bk) fp32. Returns 0, or -1 when a NaN code (0x7F/0xFF) is met
