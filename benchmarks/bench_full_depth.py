@@ -139,6 +139,10 @@ def main() -> None:
         print(json.dumps(result["steps"]["quantize_export"]), flush=True)
         if not args.keep_source:
             shutil.rmtree(src)  # written by this script
+    else:  # the GGUF of an earlier run: its steps (source, export) from that run's results
+        old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        if (old.get("layers"), old.get("method")) == (layers, args.method):
+            result["steps"] = old.get("steps", {})
     rows = []
     for rnd in range(args.rounds):
         bw = bench.memory_bandwidth()
