@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from moeq import native
 from moeq.config import BNB4, RTN, Int8
 from moeq.kernels import cpu_ops, linear, plans, reference
 
@@ -32,8 +33,10 @@ def test_gemv_matches_reference(cfg, rows, dtype):
 
 def test_dispatch_declines_big_batches_and_3d_inputs():
     q = RTN(4, 64).quantize(torch.randn(32, 128))
-    assert cpu_ops.rtn_gemv(q, torch.randn(plans.ROWS_SMALL_WEIGHT + 1, 128), None) is None  # dequant+AMX wins
-    assert cpu_ops.rtn_gemv(q, torch.randn(plans.ROWS_SMALL_WEIGHT, 128), None) is not None
+    limit = plans.rows_limit(q)  # AMX: dequantize + AMX matmul wins past a few rows; without it the gemv holds longer
+    assert limit == (plans.ROWS_SMALL_WEIGHT if native.has_amx() else plans.ROWS_NO_AMX)
+    assert cpu_ops.rtn_gemv(q, torch.randn(limit + 1, 128), None) is None
+    assert cpu_ops.rtn_gemv(q, torch.randn(limit, 128), None) is not None
     assert cpu_ops.rtn_gemv(q, torch.randn(cpu_ops.MAX_ROWS + 1, 128), None, max_rows=999) is None
     x = torch.randn(2, 5, 128)  # [batch, seq, K] -> 10 rows: the reference path
     assert torch.allclose(linear(q, x), reference(q, x), atol=1e-5)
@@ -289,7 +292,8 @@ def test_quant_linear_one_call_path(cfg, shape, bias, monkeypatch):
     y2 = mod(x).float()
     ref2 = linear(mod.qweight, x.contiguous(), mod.bias).float()
     assert (y2 - ref2).abs().max() <= ref2.abs().max() * 2 ** -7 and not torch.equal(y2, y.float())
-    assert real(mod, torch.randn(2, 4, k).bfloat16()) is None  # more rows than pay off: the dequantize path
+    more = plans.rows_limit(mod.qweight) + 1  # more rows than pay off: the dequantize path
+    assert real(mod, torch.randn(1, more, k).bfloat16()) is None
     assert real(mod, x.float()) is None  # fp32 activations: the Python kernel path
 
 

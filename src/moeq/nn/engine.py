@@ -25,7 +25,7 @@ from moeq.errors import MoeqError
 from moeq.nn import bf12, decode, finite, packed
 
 log = logging.getLogger(__name__)
-MAX_BATCH = 4  # the native bf16 head's rows (decode.HEAD_MAX_ROWS); quantized heads allow what their plan allows
+MAX_BATCH = 4  # sequences per native step with a bf16 head (model.c takes 8); quantized heads allow what their plan allows
 _CONFIG_FREE = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "pad_token_id", "eos_token_id",
                 "bos_token_id", "decoder_start_token_id", "do_sample", "num_beams", "use_cache", "temperature", "top_p",
                 "top_k", "min_p", "typical_p", "transformers_version", "_from_model_config", "_commit_hash",
@@ -70,7 +70,7 @@ class Engine:
         if isinstance(head, bf12.Bf12Linear):
             return (head.describe(), None) if batch <= bf12.MAX_ROWS else None
         if decode.HeadForward.on(head) is not None:
-            ok = head.bias is None and batch <= decode.HEAD_MAX_ROWS and head.in_features % 32 == 0
+            ok = head.bias is None and batch <= MAX_BATCH and head.in_features % 32 == 0
             return (head.weight, None) if ok else None
         if packed.holds(head, "weight") and head.bias is None:
             plan = plans.linear_plan(head)
