@@ -183,8 +183,16 @@ def main() -> None:
             try:
                 asyncio.run(load(srv.url, 1, 1, prompt, 8, extra))  # warm-up
                 for n in args.clients:
-                    row = {"round": rnd, "system": system, **asyncio.run(load(srv.url, n, args.requests, prompt,
-                                                                              args.new_tokens, extra))}
+                    try:
+                        got = asyncio.run(load(srv.url, n, args.requests, prompt, args.new_tokens, extra))
+                    except httpx.HTTPError as e:  # a server that went away mid-run: restarted once, the run redone
+                        print(f"{system} failed at {n} clients ({type(e).__name__}); restarting it", flush=True)
+                        srv.stop()
+                        srv = start(system, folder, gguf, args.threads, slots, ctx, exe)
+                        asyncio.run(load(srv.url, 1, 1, prompt, 8, extra))
+                        got = asyncio.run(load(srv.url, n, args.requests, prompt, args.new_tokens, extra))
+                        got["restarted"] = True
+                    row = {"round": rnd, "system": system, **got}
                     rounds.append(row)
                     print(json.dumps(row), flush=True)
             finally:
