@@ -174,3 +174,25 @@ def test_inputs_outside_the_loop(tiny_ckpt):
     for tok, pos in [(vocab, 0), (-1, 0), (1, 8)]:
         with pytest.raises(MoeqError):
             eng.step(md, torch.tensor([tok]), torch.tensor([pos]), 1, None, state)
+
+
+@pytest.mark.parametrize("method", ["q4_0", "rtn-int4"])
+def test_eight_sequences_take_the_native_step(tiny_ckpt, method, monkeypatch):
+    """8 left-padded sequences: one native call per step where the head's native gemv takes 8 rows on this CPU (a
+    quantized head's plan; a kept bf16/bf12 head with AVX512-BF16 and no AMX), the same tokens as transformers' own
+    generate on its own modules."""
+    m = moeq.load(tiny_ckpt("qwen3_moe"), quant=method, progress=False)
+    eng = engine.engine_of(m)
+    assert eng is not None
+    if eng._head(8) is None:
+        pytest.skip(f"{type(m.lm_head).__name__} head: no native 8-row gemv on this CPU")
+    calls = _steps(monkeypatch)
+    ids = torch.randint(3, 100, (8, 9), generator=torch.Generator().manual_seed(5))
+    am = torch.ones_like(ids)
+    am[2, :4] = 0
+    am[5, :1] = 0
+    kw = dict(attention_mask=am, do_sample=False, pad_token_id=0)
+    fast = m.generate(ids, max_new_tokens=10, **kw)
+    assert calls["step"] == 9
+    _own(m)
+    assert torch.equal(fast, m.generate(ids, max_new_tokens=10, **kw))

@@ -25,7 +25,9 @@ from moeq.errors import MoeqError
 from moeq.nn import bf12, decode, finite, packed
 
 log = logging.getLogger(__name__)
-MAX_BATCH = 4  # sequences per native step with a bf16 head (model.c takes 8); quantized heads allow what their plan allows
+MAX_BATCH = 8  # sequences per native step (model.c's bound); a bf16/bf12 head as many as its native gemv takes on
+# this CPU (decode.head_max_rows, bf12.max_rows: 16 with AVX512-BF16 and no AMX, else 4 or 1), a quantized head what
+# its plan allows
 _CONFIG_FREE = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "pad_token_id", "eos_token_id",
                 "bos_token_id", "decoder_start_token_id", "do_sample", "num_beams", "use_cache", "temperature", "top_p",
                 "top_k", "min_p", "typical_p", "transformers_version", "_from_model_config", "_commit_hash",
@@ -68,9 +70,10 @@ class Engine:
 
         head = self.head
         if isinstance(head, bf12.Bf12Linear):
-            return (head.describe(), None) if batch <= bf12.MAX_ROWS else None
+            return (head.describe(), None) if batch <= min(MAX_BATCH, bf12.max_rows()) else None
         if decode.HeadForward.on(head) is not None:
-            ok = head.bias is None and batch <= MAX_BATCH and head.in_features % 32 == 0
+            ok = (head.bias is None and batch <= min(MAX_BATCH, max(decode.HEAD_MAX_ROWS, decode.head_max_rows()))
+                  and head.in_features % 32 == 0)
             return (head.weight, None) if ok else None
         if packed.holds(head, "weight") and head.bias is None:
             plan = plans.linear_plan(head)
@@ -235,7 +238,7 @@ def _request(model: nn.Module, args: tuple, kwargs: dict):
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
     min_new = max(gc.min_new_tokens or 0, (gc.min_length or 0) - t) if eos else 0
     vocab = model.get_input_embeddings().weight.shape[0]
-    if not 0 < b <= 8 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+    if not 0 < b <= MAX_BATCH or int(ids.min()) < 0 or int(ids.max()) >= vocab:
         return None
     return ids.contiguous(), am.to(torch.int64).contiguous(), int(new), int(min_new), eos, pad, kwargs.get("streamer")
 
