@@ -10,6 +10,7 @@ import torch
 import moeq
 from moeq import native
 from moeq.formats import rtn
+from moeq.kernels import plans
 from moeq.formats.packing import from_il16, to_il16
 from moeq.nn import QuantExperts
 from moeq.nn.experts import Activation
@@ -88,7 +89,8 @@ def test_il16_kernels_match_float64_and_the_row_major_kernels(fmt, tokens):
     assert not m.il16("w13")
     rows = m(x, idx, wts).double()
     assert (got - rows).abs().max() <= 8e-3 * scale  # the same weights, fp32 sums in another order
-    if tokens == 40 and FORMATS[fmt]["grid"] != "vllm":  # many rows: the same dequantized tiles and products
+    # many rows per expert, beyond the row-major gemv's limit on this CPU: the same dequantized tiles and products
+    if tokens == 40 and FORMATS[fmt]["grid"] != "vllm" and 40 * 2 // E > plans.rows_limit(m.w13):
         assert (got - rows).abs().max() <= 4e-3 * scale
 
 

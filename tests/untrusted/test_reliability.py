@@ -20,6 +20,7 @@ from moeq.cli import main
 from moeq.export import export
 from moeq.io.writer import MARKER
 from moeq.nn.finite import NonFiniteError
+from tests.conftest import dequantized_reference
 
 ROOT = Path(__file__).resolve().parents[2] / "src"
 
@@ -41,15 +42,17 @@ def _logits(model, t: int) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["q4_0", "rtn-int4", "iq4nl", "iq4nl-dq"])
 def test_saved_4bit_checkpoint_runs_in_fp16_and_fp32(tiny_ckpt, tmp_path, arch, method):
     """A saved bf16 checkpoint whose experts take the il16 layout, run with fp16/fp32 compute at 1, 4 and 17 tokens:
-    the il16 per-expert path used to write fp32 into an fp16 buffer (a heap overflow)."""
+    the il16 per-expert path used to write fp32 into an fp16 buffer (a heap overflow). Judged against transformers'
+    own fp32 forward over the same dequantized weights (not against bf16 compute: there one of these 17 tokens routes
+    differently, in transformers' bf16 forward as in moeq's)."""
     out = _saved(tiny_ckpt, tmp_path, arch, method)
-    ref = moeq.load(out, progress=False)
-    for dtype in (torch.float16, torch.float32):
+    for dtype, tol in ((torch.float16, 0.02), (torch.float32, 0.01)):
         m = moeq.load(out, dtype=dtype, progress=False)
+        ref = dequantized_reference(m, tiny_ckpt(arch), torch.float32)
         for t in (1, 4, 17):
             a, b = _logits(m, t), _logits(ref, t)
             assert torch.isfinite(a).all()
-            assert ((a - b).norm() / b.norm()).item() < 0.05, (dtype, t)
+            assert ((a - b).norm() / b.norm()).item() < tol, (dtype, t)
 
 
 def test_fp16_source_config_in_flight(tiny_ckpt, tmp_path):
