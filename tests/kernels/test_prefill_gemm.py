@@ -1,6 +1,8 @@
 """The prompt-sized MoE path (``moeq_moe_prefill``, native/csrc/gemm.c): per expert a grouped GEMM from the packed
-codes with the tokens in the vector lanes. Checked against float64 sums over the same bf16-rounded weights the torch
-path (dequantize + matmul) multiplies, and against that path itself."""
+codes with the tokens in the vector lanes, its products on AVX512-BF16 or on the AMX tile unit. Checked against
+float64 sums over the same bf16-rounded weights the torch path (dequantize + matmul) multiplies, and against that path
+itself; the AMX products against the AVX512-BF16 ones on the same machine (skipped where the CPU, the build or Linux
+gives no AMX tiles)."""
 import pytest
 import torch
 
@@ -19,6 +21,17 @@ CONFIGS = [RTN(4, 32), RTN(4, 128), RTN(4, 64, symmetric=False), RTN(4, 32, grid
            # FP8 e4m3 tiles: DeepSeek's 128x128, tiles a 16-row weight tile straddles, and a width the vector
            # conversion does not take (40: the scalar path) with partial edge tiles
            FP8((128, 128)), FP8((24, 32)), FP8((48, 40))]
+
+
+@pytest.fixture(params=["avx512-bf16", "amx"])
+def products(request):
+    """Which unit multiplies the dequantized tiles (moeq_set_amx), restored after the test."""
+    L = native.lib()
+    if request.param == "amx" and not native.amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, build or Linux permission): the AVX512-BF16 products serve")
+    L.moeq_set_amx(int(request.param == "amx"))
+    yield request.param
+    L.moeq_set_amx(1)
 
 
 def _module(cfg, e=8, h=256, i=128, seed=0):
@@ -55,7 +68,7 @@ def _exact(mod, x, idx, wts):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
-def test_prefill_gemm_matches_float64(cfg, monkeypatch):
+def test_prefill_gemm_matches_float64(cfg, monkeypatch, products):
     import moeq.nn.experts as ex
 
     mod = _module(cfg)
@@ -76,7 +89,7 @@ def test_prefill_gemm_matches_float64(cfg, monkeypatch):
     assert err.max() <= (loop.double() - exact).abs().max() + 1e-6
 
 
-def test_prefill_gemm_token_blocks_and_passes():
+def test_prefill_gemm_token_blocks_and_passes(products):
     """Experts of 9..130 rows (token blocks of 16, 32, 48, a pass of 96 and a remainder): each expert's rows
     equal those it gives alone, so no token leaks into another's block or pass."""
     mod = _module(RTN(4, 32, grid="iq4nl"), e=4)
@@ -106,3 +119,29 @@ def test_prefill_gemm_declines_outside_its_domain():
     bad[3] = 20  # a token index past the batch: refused before any read
     assert moe_cpu.moe_prefill(mod, x, bad, wt, counts) is None
     assert moe_cpu.moe_prefill(mod, x, tok, wt, counts) is not None
+
+
+@pytest.mark.parametrize("cfg", [RTN(4, 32), RTN(8, 64), RTN(4, 32, grid="iq4nl", double_quant=True), FP8((128, 128))],
+                         ids=lambda c: c.label())
+def test_amx_products_match_avx512(cfg):
+    """The tile unit computes the same products as the AVX512-BF16 dot products (fp32 sums in another order), for
+    every token-block count (1-4 blocks of 16 in a pass of 96: 9..200 rows per expert)."""
+    if not native.amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, build or Linux permission): nothing to compare")
+    L = native.lib()
+    mod = _module(cfg, e=4)
+    torch.manual_seed(5)
+    counts = [9, 40, 200, 64]
+    token_of = torch.cat([torch.randperm(220)[:c] for c in counts])
+    weight_of = torch.rand(len(token_of))
+    x = torch.randn(220, 256).bfloat16()
+    try:
+        L.moeq_set_amx(0)
+        ref = moe_cpu.moe_prefill(mod, x, token_of, weight_of, counts)
+    finally:
+        L.moeq_set_amx(1)
+    got = moe_cpu.moe_prefill(mod, x, token_of, weight_of, counts)
+    assert got is not None and ref is not None
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 1e-2 * scale  # bf16 SiLU-GLU rounding between the two projections may flip
+    assert ((got - ref).norm() / ref.norm()) < 2e-3

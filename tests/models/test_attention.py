@@ -133,7 +133,8 @@ def _causal64(q, k, v, scale):
 def test_native_prefill_attention_matches_float64(b, hq, hkv, L, d):
     """A causal bf16 prompt without a mask runs the native flash-style kernel (key blocks of 32, 16 query rows per
     task: lengths on and off those sizes, grouped and plain heads): within bf16 rounding of the float64 result, no
-    further from it than torch's own kernel, through the attention interface as transformers calls it."""
+    further from it than torch's own kernel, through the attention interface as transformers calls it (where it is
+    the faster kernel: CPUs without AMX)."""
     from moeq import native
 
     if not native.has_dpbf16():
@@ -144,10 +145,10 @@ def test_native_prefill_attention_matches_float64(b, hq, hkv, L, d):
     mod = _Mod(hq // hkv)
     ours = attention._native_prefill(mod, q, k, v, None, 0.0, 0.2, {})
     assert ours is not None and ours.dtype == torch.bfloat16 and ours.shape == (b, L, hq, d)
-    via, _ = attention.attention_forward(mod, q, k, v, None, scaling=0.2)
-    assert torch.equal(via, ours)
     exact = _causal64(q, k, v, 0.2)
     ref, _ = sdpa_attention_forward(mod, q, k, v, None, scaling=0.2)
+    via, _ = attention.attention_forward(mod, q, k, v, None, scaling=0.2)
+    assert torch.equal(via, ref if native.has_amx() else ours)  # with AMX torch's own kernel is the faster one
     err = (ours.double() - exact).abs()
     assert (err <= 2.0 ** -8 * exact.abs() + 2.0 ** -9 * v.double().abs().max()).all()
     assert err.max() <= (ref.double() - exact).abs().max() * 1.5 + 1e-6

@@ -171,6 +171,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_quant_linear_bf16": (None, [_WS, _P, _I, _P, _P, _P]),
     "moeq_moe_forward": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
     "moeq_gemm_takes": (_INT, [_WS]),
+    "moeq_amx_ready": (_INT, []),
+    "moeq_set_amx": (None, [_INT]),
     "moeq_moe_prefill": (_INT, [_WS, _WS, _P, _I, _I, _I, _P, _P, _P, _I, _P]),
     "moeq_attn_prefill_bf16": (_INT, [_P, _P, _P, _I, _I, _I, _I, _I, _F, _P]),
     "moeq_moe_forward_rtn4_bf16": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),
@@ -238,6 +240,7 @@ def lib() -> ctypes.CDLL | None:
         log.warning("loading moeq CPU kernels failed (%s), using plain-torch paths", e)
         return None
     L.moeq_set_threads(torch.get_num_threads())
+    L.moeq_amx_ready()  # AMX permission asked once, from this thread, before any parallel kernel
     return L
 
 
@@ -348,6 +351,13 @@ def has_amx() -> bool:
     """This CPU has AMX bf16 tiles (Sapphire Rapids and later), which torch's oneDNN bf16 GEMM uses: a few-row bf16
     GEMM there reads the weight at memory speed (a 151936 x 2048 head: 32-33 ms at 2-16 rows, 2 threads)."""
     return "amx_bf16" in set(_cpu_flags().split(":", 1)[-1].split())
+
+
+def amx_tiles() -> bool:
+    """moeq's own kernels run on the AMX tile unit here: built with AMX, a CPU with it, and Linux granted this process
+    the tile data (``moeq_amx_ready``; llama.cpp's AMX build crashes where that is missing)."""
+    L = lib()
+    return L is not None and L.moeq_amx_ready() == 1
 
 
 @functools.cache

@@ -8,8 +8,49 @@
 // horizontal sums are needed. gate/up rows land in a [2I][tokens] fp32 tile, SiLU-GLU writes the down projection's
 // input directly in the same transposed bf16 layout, and the weighted outputs are summed in fp32 (rounded once, by
 // the caller). Experts run in parallel over the threads (each its own scratch and output buffer, summed at the end).
+//
+// On CPUs with AMX (Sapphire Rapids and later; runtime permission from Linux, see moeq_amx_ready) the products of a
+// dequantized tile run on the tile unit instead: the same two layouts are exactly what TDPBF16PS reads — the weight
+// tile [16 rows][K] bf16 as A (16 x 32 per step), the transposed tokens [K/2][Pp] bf16 pairs as B (VNNI: 16 pairs x
+// 16 tokens) — and C [16 rows][16 tokens] fp32 lands in y [N][Pp] as is. The dequantizers, the SiLU-GLU and the
+// weighted sum stay the same code.
+#define _GNU_SOURCE
 #include "moeq.h"
 #include "il16_rows.h"
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
+    defined(SYS_arch_prctl)
+#define MOEQ_AMX 1
+#endif
+
+static int amx_state = -1;  // -1 not asked yet, 0 refused or absent, 1 granted
+static int amx_wanted = 1;  // moeq_set_amx(0): the AVX512-BF16 products (tests compare the two on one machine)
+
+// Asks Linux once for this process's permission to use the AMX tile data (ARCH_REQ_XCOMP_PERM for XTILEDATA, which a
+// process must hold before its first tile instruction, or it dies of SIGILL) and checks that it was granted. Returns 1
+// when the tile kernels may run: built with AMX, a CPU with it, a kernel that grants it. Call it from one thread
+// before any parallel use (moeq's Python side does at load).
+int moeq_amx_ready(void) {
+#if defined(MOEQ_AMX)
+    if (amx_state < 0) {
+        enum { ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+        unsigned long bits = 0;
+        const long rc = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+        amx_state = rc == 0 && syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 &&
+                    (bits >> XFEATURE_XTILEDATA & 1);
+    }
+    return amx_state;
+#else
+    return 0;
+#endif
+}
+
+void moeq_set_amx(int on) { amx_wanted = on != 0; }
+
+static inline int amx_on(void) { return amx_wanted && amx_state == 1; }
 
 #if defined(__AVX512BF16__)
 static inline int n_threads(void) {
@@ -187,6 +228,80 @@ static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* 
     }
 }
 
+#if defined(MOEQ_AMX)
+// Every tile 16 rows x 64 bytes: A (weights 16 x 32 bf16), B (16 pairs x 16 tokens), C (16 x 16 fp32).
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// y [16 RB][ldy] (from token p) = RB weight tiles of 16 rows (wt [16 RB][K]) times NB token blocks of 16 (xt pairs):
+// C tile 2r + j for weight tile r and token block j, A tiles 4-5, B tiles 6-7; every loaded tile feeds RB or NB
+// products (2 x 2: four loads per four products; one weight tile re-read the tokens' pairs for each product). RB, NB
+// compile-time constants per call site (1 or 2); K % 32 == 0.
+static inline __attribute__((always_inline)) void amx_block(const uint16_t* wt, i64 K, const uint32_t* xt, i64 Pp,
+                                                            i64 p, const int RB, const int NB, float* y) {
+    const i64 ldx = Pp * 4, ldw = K * 2, ldy = Pp * 4;
+    _tile_zero(0);
+    if (NB > 1) _tile_zero(1);
+    if (RB > 1) _tile_zero(2);
+    if (RB > 1 && NB > 1) _tile_zero(3);
+    for (i64 k = 0; k < K; k += 32) {
+        const uint32_t* xp = xt + (k / 2) * Pp + p;
+        _tile_loadd(6, xp, ldx);
+        if (NB > 1) _tile_loadd(7, xp + 16, ldx);
+        _tile_loadd(4, wt + k, ldw);
+        _tile_dpbf16ps(0, 4, 6);
+        if (NB > 1) _tile_dpbf16ps(1, 4, 7);
+        if (RB > 1) {
+            _tile_loadd(5, wt + 16 * K + k, ldw);
+            _tile_dpbf16ps(2, 5, 6);
+            if (NB > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, y + p, ldy);
+    if (NB > 1) _tile_stored(1, y + p + 16, ldy);
+    if (RB > 1) _tile_stored(2, y + 16 * Pp + p, ldy);
+    if (RB > 1 && NB > 1) _tile_stored(3, y + 16 * Pp + p + 16, ldy);
+}
+
+// expert_gemm on the tile unit (the caller configured the tiles): two dequantized tiles of 16 rows at a time (wt:
+// 2 * TILE_R * K halves); K % 32 == 0.
+static void expert_gemm_amx(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y,
+                            uint16_t* wt, uint8_t* stage) {
+    const i64 N = w->N, K = w->K;
+    const i64 rowb = packed_row_bytes(w->bits, K), tileb = TILE_R * rowb;
+    const char* codes = (const char*)w->q + e * N * rowb;
+    for (i64 n0 = 0; n0 < N; n0 += 2 * TILE_R) {
+        const int two = n0 + 2 * TILE_R <= N;
+        dequant_tile(w, perm4, e, n0, wt, stage);
+        if (two) dequant_tile(w, perm4, e, n0 + TILE_R, wt + TILE_R * K, stage);
+        if (n0 + 2 * TILE_R < N)  // the next tiles' codes on their way while these products run
+            for (i64 b = 0; b < 2 * tileb && (n0 + 2 * TILE_R) * rowb + b < N * rowb; b += 64)
+                _mm_prefetch(codes + (n0 + 2 * TILE_R) * rowb + b, _MM_HINT_T1);
+        float* yt = y + n0 * Pp;
+        i64 p = 0;
+        if (two) {
+            for (; Pp - p >= 32; p += 32) amx_block(wt, K, xt, Pp, p, 2, 2, yt);
+            if (p < Pp) amx_block(wt, K, xt, Pp, p, 2, 1, yt);
+        } else {
+            for (; Pp - p >= 32; p += 32) amx_block(wt, K, xt, Pp, p, 1, 2, yt);
+            if (p < Pp) amx_block(wt, K, xt, Pp, p, 1, 1, yt);
+        }
+    }
+}
+#endif
+
 // at[kp][p] = bf16 pair kp (in the K order of perm4, see pair_elem) of a = silu(gate) * up, gate/up the rows i and
 // I + i of h [2I][Pp].
 static void silu_glu_pairs(const float* h, i64 I, i64 Pp, int perm4, uint32_t* at) {
@@ -208,14 +323,14 @@ static void silu_glu_pairs(const float* h, i64 I, i64 Pp, int perm4, uint32_t* a
 
 // One pass over expert e with the P (<= CHUNK) pairs at tok/wts: out[tok] += wts * W2 silu-glu(W13 x[tok]).
 static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, const uint16_t* x, i64 H, i64 I,
-                        const i64* tok, const float* wts, i64 P, float* out, float* scratch) {
+                        const i64* tok, const float* wts, i64 P, float* out, float* scratch, int amx) {
     const i64 Pp = (P + 15) & ~(i64)15;
     uint32_t* xt = (uint32_t*)scratch;             // (H/2) * Pp
     float* h = scratch + (H / 2) * Pp;              // 2I * Pp
     uint32_t* at = (uint32_t*)(h + 2 * I * Pp);    // (I/2) * Pp
     float* y = (float*)(at + (I / 2) * Pp);        // H * Pp
-    uint16_t* wt = (uint16_t*)(y + H * Pp);         // TILE_R * max(H, I) halves
-    uint8_t* stage = (uint8_t*)(wt + TILE_R * (H > I ? H : I));  // an il16 block unpacked: 16 * max(H, I) bytes
+    uint16_t* wt = (uint16_t*)(y + H * Pp);         // 2 * TILE_R * max(H, I) halves (AMX: two tiles at a time)
+    uint8_t* stage = (uint8_t*)(wt + 2 * TILE_R * (H > I ? H : I));  // an il16 block unpacked: 16 * max(H, I) bytes
     const int p13 = perm4_takes(w13), p2 = perm4_takes(w2);
     for (i64 p = 0; p < P; p++) {
         const uint16_t* row = x + tok[p] * H;
@@ -224,9 +339,19 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
     }
     for (i64 p = P; p < Pp; p++)
         for (i64 kp = 0; kp < H / 2; kp++) xt[kp * Pp + p] = 0;
-    expert_gemm(w13, p13, e, xt, Pp, h, wt, stage);
-    silu_glu_pairs(h, I, Pp, p2, at);
-    expert_gemm(w2, p2, e, at, Pp, y, wt, stage);
+#if defined(MOEQ_AMX)
+    if (amx) {
+        expert_gemm_amx(w13, p13, e, xt, Pp, h, wt, stage);
+        silu_glu_pairs(h, I, Pp, p2, at);
+        expert_gemm_amx(w2, p2, e, at, Pp, y, wt, stage);
+    } else
+#endif
+    {
+        (void)amx;
+        expert_gemm(w13, p13, e, xt, Pp, h, wt, stage);
+        silu_glu_pairs(h, I, Pp, p2, at);
+        expert_gemm(w2, p2, e, at, Pp, y, wt, stage);
+    }
     for (i64 p = 0; p < P; p++) {
         float* o = out + tok[p] * H;
         const float wgt = wts[p];
@@ -278,8 +403,8 @@ int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16
         order[b] = v;
     }
     const i64 Pp = ((pmax < CHUNK ? pmax : CHUNK) + 15) & ~(i64)15, KM = H > I ? H : I;
-    const i64 per = (H / 2 + 2 * I + I / 2 + H) * Pp + TILE_R * KM / 2 + 4 * KM + 16;  // floats per thread
-    const int nt = n_threads();
+    const i64 per = (H / 2 + 2 * I + I / 2 + H) * Pp + TILE_R * KM + 4 * KM + 16;  // floats per thread
+    const int nt = n_threads(), amx = amx_on() && H % 32 == 0 && I % 32 == 0;
     float* scratch = (float*)malloc((size_t)(nt * per) * sizeof(float));
     float* extra = nt > 1 ? (float*)calloc((size_t)((nt - 1) * T * H), sizeof(float)) : NULL;
     if (!scratch || (nt > 1 && !extra)) {
@@ -293,14 +418,20 @@ int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16
         const int tid = thread_id();
         float* mine = scratch + tid * per;
         float* o = tid == 0 ? out : extra + (tid - 1) * T * H;
+#if defined(MOEQ_AMX)
+        if (amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (i64 j = 0; j < ne; j++) {
             const i64 e = order[j];
             for (i64 p0 = expert_start[e]; p0 < expert_start[e + 1]; p0 += CHUNK) {
                 const i64 P = expert_start[e + 1] - p0 < CHUNK ? expert_start[e + 1] - p0 : CHUNK;
-                expert_pass(w13, w2, e, x, H, I, pair_tok + p0, pair_w + p0, P, o, mine);
+                expert_pass(w13, w2, e, x, H, I, pair_tok + p0, pair_w + p0, P, o, mine, amx);
             }
         }
+#if defined(MOEQ_AMX)
+        if (amx) _tile_release();
+#endif
 #pragma omp for schedule(static)
         for (i64 i = 0; i < T * H; i++)
             for (int t = 1; t < nt; t++) out[i] += extra[(t - 1) * T * H + i];

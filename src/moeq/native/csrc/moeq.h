@@ -323,6 +323,8 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
 // ---- exports (gemm.c) ----
 int moeq_gemm_takes(const moeq_wstack* w);
+int moeq_amx_ready(void);
+void moeq_set_amx(int on);
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, i64 B, i64 Hq, i64 Hkv, i64 L,
