@@ -36,7 +36,7 @@ from moeq.export import export  # noqa: E402
 from moeq.io.writer import write_json  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from llamacpp import CACHE, find_tool  # noqa: E402
+from llamacpp import CACHE, build_flags, find_tool  # noqa: E402
 
 
 def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None, batches: list[int] = (4,)) -> dict:
@@ -142,7 +142,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         del model
     report(rows, {"model": str(src), "threads": args.threads, "isa": args.isa, "cpu": bench.cpu_summary(),
-                  "moeq_simd_level": native.lib().moeq_simd_level(), "llama_bench": str(exe)}, out)
+                  "moeq_simd_level": native.lib().moeq_simd_level(), "moeq_amx_tiles": native.amx_tiles(),
+                  "llama_bench": str(exe), "llama_build": build_flags(exe)}, out)
 
 
 def report(rows: list[dict], meta: dict, out: Path) -> None:

@@ -45,7 +45,9 @@ def vs_llamacpp(name: str) -> str:
                                            if f"decode_b{n}_tps" in seen] + [("prefill512_tps", "pp512"),
                                                                             ("prefill2048_tps", "pp2048")]
     head = "| weights (both engines) | " + " | ".join(f"{h}: llama.cpp / moeq tok/s" for _, h in keys) + " |"
-    lines = [f"{d['threads']} threads, {cpu} ({d['isa']} builds; `benchmarks/results/{name}`); best round, "
+    build = f"{d['isa']} builds" + (f"; llama.cpp {d['llama_build']}" if d.get("llama_build") else "") + (
+        "; moeq prefill on AMX tiles" if d.get("moeq_amx_tiles") else "")
+    lines = [f"{d['threads']} threads, {cpu} ({build}; `benchmarks/results/{name}`); best round, "
              "median in brackets:", "", head, "|---" * (len(keys) + 1) + "|"]
     for method, best in d["best"].items():
         cells = []

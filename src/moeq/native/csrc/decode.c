@@ -5,13 +5,16 @@
 // ---------------------------------------------------------------- decode-step helpers ---------------------------
 // transformers' bf16 RMSNorm: y = w * bf16(x * rsqrt(mean(x^2) + eps)), the mean and the product in fp32, the
 // normalized value rounded to bf16 before the (rounded) product with the weight. x, w, y bf16 bits; rows of n.
+// A row whose sum of squares overflows fp32 (values past ~1e19: a checkpoint's scales multiplying past range) gives
+// NaN, not the zeros 1/sqrt(inf) would: the step's logits check then names the overflow instead of the model going
+// on with a silently zeroed row.
 void moeq_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, i64 rows, i64 n, float eps, uint16_t* y) {
     for (i64 r = 0; r < rows; r++) {
         const uint16_t* xr = x + r * n;
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
         for (i64 k = 0; k < n; k++) ss += bf2f(xr[k]) * bf2f(xr[k]);
-        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+        const float inv = isfinite(ss) ? 1.f / sqrtf(ss / (float)n + eps) : NAN;
         uint16_t* yr = y + r * n;
         for (i64 k = 0; k < n; k++) yr[k] = f2bf(bf2f(w[k]) * bf2f(f2bf(bf2f(xr[k]) * inv)));
     }

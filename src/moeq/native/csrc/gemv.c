@@ -261,6 +261,9 @@ static void x_to_i16(const uint16_t* x, i64 K, i64 gs, int16_t* xq, float* sx, f
     }
 }
 
+#ifndef R8_PREFETCH
+#define R8_PREFETCH 2048
+#endif
 static inline __attribute__((always_inline)) void rtn8_row_i16(
     const int16_t* xq, const float* sx, const float* xs, const i64 M, const uint8_t* q, const void* scale,
     int scale_bf16, const uint8_t* zero, i64 n, i64 K, i64 gs, float* out, float* zt) {
@@ -277,6 +280,7 @@ static inline __attribute__((always_inline)) void rtn8_row_i16(
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const uint8_t* qn = q + n * K;
     for (i64 g = 0; g < G; g++) {
+        _mm_prefetch((const char*)(qn + g * gs + R8_PREFETCH), _MM_HINT_T0);
         for (i64 c0 = 0; c0 < gs; c0 += 4096) {
             const i64 c1 = gs - c0 <= 4096 ? gs : c0 + 4096;
             __m512i v[8];
