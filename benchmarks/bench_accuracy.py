@@ -37,6 +37,7 @@ import torch
 from transformers import AutoTokenizer
 
 import moeq
+from moeq.bench import cpu_summary
 from moeq.config import BNB4, FP4, NF4, RTN, Int8, QuantConfig, presets
 from moeq.eval import DECODE_CHUNK, evaluate_many, tokenize
 from moeq.io.writer import write_json
@@ -203,6 +204,11 @@ def calibration_text(files: list[Path], chars: int, frac: float = 0.9) -> list[s
     return out
 
 
+def _cpu() -> str:
+    c = cpu_summary()
+    return f"{c['model']}{' (AMX)' if 'amx_tile' in c['flags'] else ''}, {torch.get_num_threads()} threads"
+
+
 def heldout_text(files: list[Path], frac: float = 0.1) -> list[str]:
     out = []
     for f in files:
@@ -256,6 +262,11 @@ def main():
     ap.add_argument("--activations", nargs="*", default=None, metavar="METHOD",
                     help="also score these methods decode-shaped (DECODE_CHUNK tokens per forward over a KV cache), "
                          "with the default and with int8 activations (moeq.set_activations)")
+    ap.add_argument("--importance", nargs="*", default=[], metavar="METHOD",
+                    help="also score these methods (names of methods()) quantized with data-free importance "
+                         "(moeq.load(..., importance=TOKENS): statistics of uniformly random token ids): rows "
+                         "'METHOD +importance'")
+    ap.add_argument("--importance-tokens", type=int, default=8192)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -275,6 +286,16 @@ def main():
         info = moeq.inspect(m)
         models[name] = m
         rows[name] = _row(name, secs, info["quantized_bits_per_weight"], info["quantized_params"])
+    for name in args.importance:
+        label = f"{name} +importance"
+        t0 = time.perf_counter()
+        m = moeq.load(args.model, quant=methods()[name], dtype=dtype, progress=False,
+                      importance=args.importance_tokens)
+        secs = time.perf_counter() - t0  # both passes and the random-token forward
+        info = moeq.inspect(m)
+        models[label] = m
+        rows[label] = {**_row(label, secs, info["quantized_bits_per_weight"], info["quantized_params"]),
+                       "importance_tokens": args.importance_tokens}
     for name, (nbits, gs) in HQQ_LIB.items():
         if args.only and name not in args.only:
             continue
@@ -323,7 +344,7 @@ def main():
         if base:
             r["kl_vs_vllm_g192"] = r["mean_kl"] / base["mean_kl"]
     out = {"model": args.model, "dtype": args.dtype, "ctx": args.ctx, "tokens": next(iter(res.values())).tokens,
-           "ref_ppl": next(iter(res.values())).ref_ppl, "llamacpp": lc_info, "rows": list(rows.values())}
+           "ref_ppl": next(iter(res.values())).ref_ppl, "llamacpp": lc_info, "cpu": _cpu(), "rows": list(rows.values())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, out)
     print(f"reference ({args.dtype}) PPL {out['ref_ppl']:.3f} on {out['tokens']} held-out tokens, ctx {args.ctx}\n")

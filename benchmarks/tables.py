@@ -21,6 +21,11 @@ IMATRIX_ROWS = ["q4_0 (llama.cpp Q4_0 rounding)", "llama.cpp Q4_0 --pure +imatri
                 "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-m", "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3-m",
                 "llama.cpp Q3_K_S (its mix) +imatrix", "moeq q5_0-m", "llama.cpp Q4_K_M (its mix)",
                 "llama.cpp Q4_K_M (its mix) +imatrix", "rotated: moeq iq4nl", "rotated: llama.cpp IQ4_NL --pure"]
+IMPORTANCE_ROWS = ["moeq q4_0-opt", "moeq q4_0-opt +importance", "moeq iq4nl", "moeq iq4nl +importance",
+                   "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-dq", "moeq iq4nl-dq +importance",
+                   "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-m", "moeq iq4nl-m +importance",
+                   "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3", "moeq nl3 +importance", "moeq nl3-m",
+                   "moeq nl3-m +importance", "llama.cpp Q3_K_S --pure +imatrix"]
 ACCURACY_ROWS = ["moeq q4_0-opt", "llama.cpp Q4_0 --pure", "moeq iq4nl", "llama.cpp IQ4_NL --pure", "moeq iq4nl-dq",
                  "moeq iq4nl-m", "llama.cpp IQ4_NL (its mix)", "moeq nl3-m", "llama.cpp Q3_K_S (its mix)",
                  "llama.cpp Q3_K_M (its mix)",
@@ -62,17 +67,21 @@ def vs_llamacpp(name: str) -> str:
     return "\n".join(lines)
 
 
-def accuracy(name: str = "accuracy_vs_llamacpp.json", wanted: list[str] = ACCURACY_ROWS) -> str:
+def accuracy(name: str = "accuracy_vs_llamacpp.json", wanted: list[str] = ACCURACY_ROWS, seconds: bool = False) -> str:
     d = json.loads((RESULTS / name).read_text())
     rows = {r["method"]: r for r in d["rows"]}
+    extra = " quantize s (2 cores) |" if seconds else ""
     lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 reference PPL {d['ref_ppl']:.2f} "
-             f"(`benchmarks/results/{name}`):", "",
-             "| method | bits/weight | PPL | mean KL vs bf16 | top-1 agreement |", "|---|---|---|---|---|"]
+             f"(`benchmarks/results/{name}`; {d.get('cpu', 'CPU not recorded')}):", "",
+             "| method | bits/weight | PPL | mean KL vs bf16 | top-1 agreement |" + extra,
+             "|---|---|---|---|---|" + ("---|" if seconds else "")]
     for m in wanted:
         r = rows.get(m)
         if r is not None:
+            secs = (f" {r['quantize_seconds']:.1f} |" if r.get("quantize_seconds") else " (llama-quantize) |"
+                    ) if seconds else ""
             lines.append(f"| {m} | {r['bits_per_weight']:.3f} | {r['ppl']:.2f} | {r['mean_kl']:.4f} | "
-                         f"{100 * r['top1']:.1f}% |")
+                         f"{100 * r['top1']:.1f}% |" + secs)
     return "\n".join(lines)
 
 
@@ -157,6 +166,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
           "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
+          "accuracy_importance": lambda: accuracy("accuracy_importance.json", IMPORTANCE_ROWS, seconds=True),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth}

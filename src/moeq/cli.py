@@ -157,7 +157,7 @@ def cmd_quantize(args) -> int:
     _warn_slow_search(qcfg, src_bytes)
     t0 = time.perf_counter()
     model = moeq.load(args.src, quant=qcfg, dtype=_dtype(args.dtype), progress=not args.json,
-                      device=args.device)
+                      device=args.device, importance=args.importance)
     moeq.save(model, out, overwrite=args.overwrite, source=args.src)
     secs = time.perf_counter() - t0
     info = moeq.inspect(model)
@@ -206,7 +206,7 @@ def _load_for_generation(args):
     import moeq
 
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
-                      progress=False, device=args.device)
+                      progress=False, device=args.device, importance=getattr(args, "importance", 0))
     return model, _tokenizer(args.model)
 
 
@@ -351,7 +351,7 @@ def cmd_eval(args) -> int:
     for path in args.model:
         tok = _tokenizer(path)
         models[path] = moeq.load(path, quant=quant, dtype=_dtype(args.dtype), progress=not args.json,
-                                 activations=args.activations)
+                                 activations=args.activations, importance=args.importance)
         check_compatible(models[path], ref, tok, ref_tok)
     # int8 activations change the decode kernels only (at most a few rows per weight): score them decode-shaped
     chunk = args.chunk or (DECODE_CHUNK if args.activations != "default" else None)
@@ -453,6 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = sub_parser
 
+    def importance_arg(sp):
+        sp.add_argument("--importance", type=int, default=0, metavar="TOKENS",
+                        help="data-free importance for methods that search their scales (iq4nl*, nl3*, q4_0-opt): a "
+                        "q4_0 first pass runs TOKENS uniformly random token ids (e.g. 8192) and the --method pass "
+                        "weighs each weight column by its mean squared input, as llama.cpp's imatrix does with "
+                        "calibration text (0: off)")
+
     def method_args(sp, default):
         sp.add_argument("--method", default=default, choices=sorted([*METHODS, *MIXES]), metavar="METHOD",
                         help=f"quantization method: {', '.join(sorted(METHODS))}; or a mix (a 4-bit default with "
@@ -478,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "or a Hub id in the local cache")
     q.add_argument("out", help="output folder (written atomically)")
     method_args(q, "rtn-int4")
+    importance_arg(q)
     q.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT (nothing else)")
     q.add_argument("--json", action="store_true", help="print the summary as JSON")
     q.set_defaults(func=cmd_quantize)
@@ -502,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-new-tokens", type=_int_at_least(1, 1 << 20), default=max_new,
                         help="tokens to generate (default: %(default)s)")
         method_args(sp, None)
+        importance_arg(sp)
         sp.add_argument("--sample", action="store_true", help="sample (default: greedy); implied by the options below")
         sp.add_argument("--temperature", type=_float_in(0.0, 100.0, lo_open=True), default=None,
                         help="sampling temperature (implies --sample; default 0.8 when sampling)")
@@ -596,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ctx", type=_int_at_least(2, 1 << 20), default=512, help="window length in tokens")
     ev.add_argument("--max-tokens", type=_int_at_least(3), default=None, help="score at most this many tokens")
     method_args(ev, None)
+    importance_arg(ev)
     ev.add_argument("--activations", choices=["default", "int8"], default="default",
                     help="the decode kernels' activation numerics (moeq.set_activations); int8 scores decode-shaped "
                          "(moeq.eval.DECODE_CHUNK tokens per forward over a KV cache) unless --chunk says otherwise")

@@ -39,9 +39,15 @@ class FormatConfig:
     name: ClassVar[str] = ""
     version: int = dataclasses.field(default=CONFIG_VERSION, kw_only=True)  # per instance: old configs stay old
 
-    def quantize(self, w: torch.Tensor, name: str | None = None, slices: int | None = None) -> PackedWeight | None:
-        """Quantize ``w`` (any leading dims); None means "keep in the compute dtype"."""
+    def quantize(self, w: torch.Tensor, name: str | None = None, slices: int | None = None,
+                 importance: torch.Tensor | None = None) -> PackedWeight | None:
+        """Quantize ``w`` (any leading dims); None means "keep in the compute dtype". ``importance``: the mean square
+        of each input column (:mod:`moeq.importance`), used by formats whose quantizer searches (:meth:`uses_importance`)
+        and ignored by the others."""
         raise NotImplementedError
+
+    def uses_importance(self) -> bool:
+        return False
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.name, "version": self.version, **dataclasses.asdict(self)}
@@ -101,10 +107,17 @@ class RTN(FormatConfig):
         if problem:
             raise MoeqError(problem)
 
-    def quantize(self, w, name=None, slices=None):
+    def quantize(self, w, name=None, slices=None, importance=None):
+        # with measured column importance the search weighs errors by it alone (llama.cpp's imatrix weighs
+        # sqrt(sigma^2 + x^2) on top; "mse" x importance measured 0.124 vs 0.194 KL for "row" on the fixture)
+        imp = importance if importance is not None and self.uses_importance() else None
         return rtn.quantize(w, self.bits, self.group_size_for(w.shape[-1]), self.symmetric, self.grid, name=name,
-                            search=self.search, refine=self.refine, hqq=self.hqq, weighting=self.weighting,
+                            search=self.search, refine=self.refine, hqq=self.hqq,
+                            weighting=self.weighting if imp is None else "mse", importance=imp,
                             double_quant=self.double_quant)
+
+    def uses_importance(self) -> bool:
+        return rtn.searched_natively(self.grid, self.bits, self.symmetric, self.search)
 
     def group_size_for(self, k: int) -> int:
         """The group size used on a tensor with last dim ``k``: ``group_size`` when it divides ``k``, else the
@@ -145,7 +158,7 @@ class BNB4(FormatConfig):
         if self.blocksize not in bnb4.BLOCKSIZES:
             raise MoeqError(f"unsupported blocksize {self.blocksize}; valid choices: {list(bnb4.BLOCKSIZES)}")
 
-    def quantize(self, w, name=None, slices=None):
+    def quantize(self, w, name=None, slices=None, importance=None):
         return bnb4.quantize(w, self.quant_type, self.blocksize, self.double_quant, slices=slices, name=name,
                              search=self.search)
 
@@ -167,7 +180,7 @@ def FP4(blocksize: int = 64, double_quant: bool = True) -> BNB4:
 class Int8(FormatConfig):
     name: ClassVar[str] = "int8"
 
-    def quantize(self, w, name=None, slices=None):
+    def quantize(self, w, name=None, slices=None, importance=None):
         return int8.quantize(w, name=name)
 
     def label(self) -> str:
@@ -190,7 +203,7 @@ class FP8(FormatConfig):
             raise MoeqError(f"fp8 config: block must be two integers in 1..65536, got {b!r}")
         object.__setattr__(self, "block", tuple(b))
 
-    def quantize(self, w, name=None, slices=None):
+    def quantize(self, w, name=None, slices=None, importance=None):
         return fp8.quantize(w, self.block, name=name)
 
     def label(self) -> str:
@@ -203,7 +216,7 @@ class Keep(FormatConfig):
     """Leave the module in the compute dtype."""
     name: ClassVar[str] = "none"
 
-    def quantize(self, w, name=None, slices=None):
+    def quantize(self, w, name=None, slices=None, importance=None):
         return None
 
     def label(self) -> str:

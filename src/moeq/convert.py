@@ -4,6 +4,8 @@ loader). An :class:`ExpertsBuilder` takes one expert's gate/up/down as they arri
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,6 +16,9 @@ from moeq.formats.base import check_finite
 from moeq.nn import Activation, Llama4MoeAdapter, QuantExperts, QuantLinear
 from moeq.nn.bf12 import Bf12Linear
 from moeq.errors import MoeqError
+
+if TYPE_CHECKING:
+    from moeq.importance import Importance
 
 KINDS = ("gate", "up", "down")
 
@@ -60,9 +65,10 @@ class ExpertsBuilder:
     """Collects one experts module's pieces; ``build()`` returns its replacement module."""
 
     def __init__(self, name: str, module: nn.Module, arch: Arch, fmt: FormatConfig, activation: Activation,
-                 dtype: torch.dtype, fmt2: FormatConfig | None = None):
+                 dtype: torch.dtype, fmt2: FormatConfig | None = None, importance: Importance | None = None):
         self.name, self.module, self.arch, self.fmt, self.activation, self.dtype = (
             name, module, arch, fmt, activation, dtype)
+        self.importance = importance
         self.fmt2 = fmt if fmt2 is None else fmt2  # w2 (down) may have its own format
         if isinstance(self.fmt, Keep) != isinstance(self.fmt2, Keep):
             raise MoeqError(f"{name}: w13 and w2 must both be quantized or both kept (rules give "
@@ -95,7 +101,8 @@ class ExpertsBuilder:
         where = key or f"{self.name}[{e}].{kind}"
         self._check_piece(e, kind, w.shape, where)
         w = w.to(self.dtype)
-        q = (self.fmt2 if kind == "down" else self.fmt).quantize(w, name=where)
+        imp = None if self.importance is None else self.importance.expert(self.name, e, kind)
+        q = (self.fmt2 if kind == "down" else self.fmt).quantize(w, name=where, importance=imp)
         if q is None:
             check_finite(w, where)
         self.pieces[(e, kind)] = w.clone() if q is None else q
@@ -232,8 +239,9 @@ def existing_bias(linear: nn.Module, bias: torch.Tensor | None) -> torch.Tensor 
     return getattr(linear, "bias", None)
 
 
-def quantize_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: FormatConfig) -> QuantLinear:
-    q = fmt.quantize(weight, name=f"{name}.weight")
+def quantize_linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: FormatConfig,
+                    importance: Importance | None = None) -> QuantLinear:
+    q = fmt.quantize(weight, name=f"{name}.weight", importance=None if importance is None else importance.linear(name))
     return QuantLinear(q, bias)
 
 

@@ -17,7 +17,8 @@ from moeq.nn import finite
 
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
-         progress: bool = True, device: str | torch.device | None = None, activations: str = "default") -> nn.Module:
+         progress: bool = True, device: str | torch.device | None = None, activations: str = "default",
+         importance: int = 0) -> nn.Module:
     """Load a checkpoint directory (or a Hub id already in the local Hugging Face cache): a moeq checkpoint as
     saved, or a bf16/fp16 one quantized in flight with ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
 
@@ -25,6 +26,11 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     time and are quantized there; saved and pre-quantized checkpoints are moved once loaded.
 
     ``activations``: the CPU decode kernels' numerics, ``"default"`` or ``"int8"`` (see :func:`moeq.set_activations`).
+
+    ``importance`` (tokens, e.g. 8192; 0: off): data-free importance (:mod:`moeq.importance`) — a first streamed pass
+    quantizes the checkpoint with ``q4_0``, runs that many uniformly random token ids through it and keeps each
+    quantized weight's mean squared input columns; the second pass quantizes with ``quant`` weighing its scale
+    search by them. For methods whose quantizer searches (``iq4nl*``, ``nl3*``, ``q4_0-opt``); no text needed.
 
     The model raises :class:`moeq.nn.finite.NonFiniteError` (a :class:`MoeqError`) at the first layer that turns finite
     input into NaN/Inf, rather than return non-finite logits (:mod:`moeq.nn.finite`)."""
@@ -35,9 +41,33 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     if activations not in ACTIVATIONS:
         raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     dev = check_device(device)
-    model = finite.install(readers.read(hub.resolve(path), quant, dtype, progress, dev))
+    src = hub.resolve(path)
+    imp = _importance(src, quant, dtype, progress, importance) if importance else None
+    model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
+    qc = getattr(model.config, "quantization_config", None)
+    if imp is not None and isinstance(qc, dict):  # saved with the model: how its scales were chosen
+        qc["importance"] = {"tokens": imp.tokens, "seed": imp.seed, "inputs": "uniform random token ids",
+                            "measured_on": "q4_0"}  # moeq.importance.FIRST_PASS
     if activations != "default":
         set_activations(model, activations)
     return model if dev.type == "cpu" else model.to(dev)
 
 
+
+
+def _importance(src, quant, dtype, progress: bool, tokens: int):
+    """The first pass of an ``importance=`` load: :func:`moeq.importance.collect` on the checkpoint loaded with
+    :data:`moeq.importance.FIRST_PASS`, on the CPU."""
+    from moeq import importance as imp  # noqa: PLC0415
+
+    qcfg = QuantConfig.of(quant) if quant is not None else None
+    if qcfg is None or not any(f.uses_importance() for f in (qcfg.default, *(f for _, f in qcfg.all_rules))):
+        raise MoeqError(f"importance needs a method whose quantizer searches its scales (iq4nl, iq4nl-m, nl3, "
+                        f"q4_0-opt, ...); {quant!r} has none")
+    if type(tokens) is not int or tokens < imp.SEQ or tokens % imp.SEQ:
+        raise MoeqError(f"importance: a positive multiple of {imp.SEQ} tokens, got {tokens!r}")
+    first = finite.install(readers.read(src, imp.FIRST_PASS, dtype, progress, torch.device("cpu")))
+    try:
+        return imp.collect(first, tokens, progress=progress)
+    finally:
+        del first

@@ -38,6 +38,7 @@ class Found:
     qc: dict | None = None  # config.json's quantization_config as a dict (None: none)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     sink: object = None  # a :class:`~moeq.readers.state.Sink` taking each finished layer (streaming readers only)
+    importance: object = None  # a :class:`~moeq.importance.Importance` for the quantizer (readers that quantize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +86,14 @@ def claim(found: Found) -> Reader:
                     "bitsandbytes, compressed-tensors (pack-quantized, float-quantized FP8) and GGUF checkpoints")
 
 
-def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: torch.device, sink=None) -> nn.Module:
+def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: torch.device, sink=None,
+         importance=None) -> nn.Module:
     """Load ``path`` with its reader; ``sink`` (readers that stream): hand it each finished layer instead of keeping
-    the model (what is returned is then the emptied skeleton)."""
+    the model (what is returned is then the emptied skeleton); ``importance``: column statistics the quantizer
+    weighs its search by (:mod:`moeq.importance`)."""
     found = inspect(path, device)
     reader = claim(found)
+    found.importance = importance
     if sink is not None:
         if not reader.streams:
             raise MoeqError(f"{path}: a {reader.name} checkpoint is restored whole, not streamed layer by layer")

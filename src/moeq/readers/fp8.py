@@ -191,7 +191,8 @@ def read(found, quant, dtype, progress: bool, source=None) -> nn.Module:
     dtype = compute_dtype(found.config, dtype)
     src = source or Fp8Source(found.ckpt, block_size(found.qc, found.path), dtype, found.path)
     src.device = found.device
-    state = LoadState(found.path, src, found.config, QuantConfig.of(quant or "none"), dtype, sink=found.sink)
+    state = LoadState(found.path, src, found.config, QuantConfig.of(quant or "none"), dtype, sink=found.sink,
+                      importance=found.importance)
     kept = 0
     for key in tqdm(src.keys(), desc="loading+quantizing (FP8)", unit="tensor", disable=not progress):
         if key in src.fp8 and len(src.tensors[key].shape) == 2 and isinstance(state.planned(key), FP8):

@@ -172,7 +172,7 @@ def read(found, quant, dtype, progress: bool):
     settings(found.qc)
     dtype = compute_dtype(found.config, dtype)
     state = LoadState(found.path, found.ckpt, found.config, QuantConfig.of(quant or "none"), dtype,
-                      quantize_linears=quant is not None, sink=found.sink)
+                      quantize_linears=quant is not None, sink=found.sink, importance=found.importance)
     _, member = groups(found.ckpt)
     if quant is None:
         return stream(state, member, lambda head: read_weight(found.ckpt, found.qc, head, dtype, True), progress)

@@ -59,7 +59,7 @@ def read(found, quant, dtype, progress: bool) -> nn.Module:
     """The :mod:`moeq.readers` entry."""
     ckpt, dtype = found.ckpt, compute_dtype(found.config, dtype)
     state = LoadState(found.path, ckpt, found.config, QuantConfig.of(quant or "none"), dtype,
-                      quantize_linears=quant is not None, sink=found.sink)
+                      quantize_linears=quant is not None, sink=found.sink, importance=found.importance)
     pairs: dict[tuple[str, str], dict[str, str]] = {}
     for key in ckpt.keys():
         m = PACKED_RE.match(key)

@@ -20,7 +20,7 @@ def claims(found) -> bool:
 def read(found, quant, dtype, progress: bool) -> nn.Module:
     found.ckpt.device = found.device  # in flight: each tensor is read onto the device and quantized there
     state = LoadState(found.path, found.ckpt, found.config, QuantConfig.of(quant or "none"),
-                      compute_dtype(found.config, dtype), sink=found.sink)
+                      compute_dtype(found.config, dtype), sink=found.sink, importance=found.importance)
     for key in tqdm(found.ckpt.keys(), desc="loading+quantizing", unit="tensor", disable=not progress):
         state.route(key)
     return state.finish()

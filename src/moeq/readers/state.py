@@ -239,14 +239,16 @@ class LoadState:
     it as soon as the checkpoint has filled it, and is freed: peak memory is one layer, not the model."""
 
     def __init__(self, path: Path, ckpt: Checkpoint, config, qcfg: QuantConfig, dtype: torch.dtype,
-                 quantize_linears: bool = True, sink: Sink | None = None):
+                 quantize_linears: bool = True, sink: Sink | None = None, importance=None):
         self.path, self.ckpt, self.config, self.qcfg, self.dtype = path, ckpt, config, qcfg, dtype
+        self.importance = importance  # moeq.importance.Importance: the quantizer's column weights, or None
         self.arch: Arch = get_arch(config)
         self.model = skeleton(config, dtype)
         experts, linears = plan(self.model, self.arch, qcfg)
         self.builders: dict[str, ExpertsBuilder] = {
             name: ExpertsBuilder(name, self.model.get_submodule(name), self.arch, f13,
-                                 activation_for(self.arch, self.model.get_submodule(name), config), dtype, f2)
+                                 activation_for(self.arch, self.model.get_submodule(name), config), dtype, f2,
+                                 importance)
             for name, (f13, f2) in experts.items()}
         self.linears: dict[str, object] = linears if quantize_linears else {}
         self.pending_bias: dict[str, torch.Tensor] = {}
@@ -352,7 +354,7 @@ class LoadState:
             raise MoeqError(f"{key}: shape {list(shape)} does not match the config (expected {list(lin.weight.shape)})")
         bias = existing_bias(lin, self.pending_bias.pop(mod_name, None))
         set_module(self.model, mod_name, quantize_linear(mod_name, weight().to(lin.weight.dtype), bias,
-                                                         self.linears.pop(mod_name)))
+                                                         self.linears.pop(mod_name), self.importance))
         self._settle(mod_name + ".weight")
 
     def put_packed_stack(self, mod: str, kind: str, q: PackedWeight, key: str) -> None:
@@ -423,7 +425,8 @@ class LoadState:
         if emb.device.type == "meta" or tuple(emb.shape) != tuple(head.weight.shape):
             return
         log.info("%s is tied to the embeddings: quantizing its own copy (%s)", name, self.linears[name].label())
-        set_module(self.model, name, quantize_linear(name, emb.detach(), head.bias, self.linears.pop(name)))
+        set_module(self.model, name, quantize_linear(name, emb.detach(), head.bias, self.linears.pop(name),
+                                                     self.importance))
 
     def finish(self) -> nn.Module:
         """Biases that arrived before their weight, complete experts, the saved-format quantization_config, the

@@ -1,0 +1,90 @@
+"""Data-free importance (moeq.importance): random-token column statistics, measured on a q4_0 first pass, weigh the
+scale search of the second — what llama.cpp's importance matrix does with calibration text."""
+import pytest
+import torch
+
+import moeq
+from moeq import MoeqError
+from moeq import importance as imp
+from moeq.config import method
+from moeq.formats import rtn
+from moeq.nn.experts import QuantExperts
+
+
+def test_importance_weighs_the_search_toward_heavy_columns():
+    """Weighted by a column importance, the codebook search trades error on light columns for less on heavy ones:
+    the importance-weighted squared error falls (what the search minimizes), the heavy columns' error falls."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g)
+    importance = torch.rand(512, generator=g) ** 4 * 100 + 0.01
+    heavy = importance > importance.quantile(0.9)
+    cfg = method("iq4nl")
+    assert cfg.uses_importance() and not method("q4_0").uses_importance()
+    plain = cfg.quantize(w).dequantize(torch.float32)
+    weighted = cfg.quantize(w, importance=importance).dequantize(torch.float32)
+    e_plain, e_weighted = (w - plain) ** 2, (w - weighted) ** 2
+    assert (e_weighted * importance).sum() < 0.9 * (e_plain * importance).sum()
+    assert e_weighted[:, heavy].sum() < e_plain[:, heavy].sum()
+    assert torch.equal(method("q4_0").quantize(w, importance=importance).qdata, method("q4_0").quantize(w).qdata)
+
+
+def test_collect_measures_every_linear_and_each_expert(tiny_ckpt):
+    m = moeq.load(tiny_ckpt("qwen3_moe"), "q4_0", progress=False)
+    stats = imp.collect(m, tokens=1024, progress=False)
+    cfg = m.config
+    layer = m.model.layers[0]
+    q = stats.linear("model.layers.0.self_attn.q_proj")
+    assert q.shape == (cfg.hidden_size,) and bool((q > 0).all())
+    w13, w2 = stats.experts["model.layers.0.mlp.experts"]
+    assert w13.shape == (cfg.num_experts, cfg.hidden_size) and w2.shape == (cfg.num_experts, cfg.moe_intermediate_size)
+    # the experts' input statistics add up to the layer's post-attention-norm input, top_k times over
+    x = {}
+    hook = layer.mlp.register_forward_pre_hook(lambda mod, a: x.setdefault("x", []).append(a[0].float()))
+    ids = torch.randint(0, cfg.vocab_size, (2, imp.SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rows in ids.split(imp.BATCH):
+            m(rows, use_cache=False)
+    hook.remove()
+    xs = torch.cat([t.reshape(-1, cfg.hidden_size) for t in x["x"]])
+    part = imp.collect(m, tokens=2 * imp.SEQ, progress=False)
+    a, _ = part.experts["model.layers.0.mlp.experts"]
+    torch.testing.assert_close(a.sum(0), cfg.num_experts_per_tok * (xs * xs).mean(0), rtol=1e-3, atol=1e-6)
+    assert all(isinstance(mod, QuantExperts) for n, mod in m.named_modules() if n in stats.experts)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_load_with_importance(tiny_ckpt, tmp_path, arch):
+    src = tiny_ckpt(arch)
+    a = moeq.load(src, "iq4nl", importance=1024, progress=False)
+    b = moeq.load(src, "iq4nl", importance=1024, progress=False)
+    plain = moeq.load(src, "iq4nl", progress=False)
+    wa, wp = a.model.layers[0].mlp.experts.w13, plain.model.layers[0].mlp.experts.w13
+    assert torch.equal(wa.qdata, b.model.layers[0].mlp.experts.w13.qdata)  # seeded: the same bytes every time
+    assert (wa.scale != wp.scale).float().mean() > 0.2
+    assert a.config.quantization_config["importance"]["tokens"] == 1024
+    moeq.save(a, tmp_path / "out", source=src)
+    again = moeq.load(tmp_path / "out", progress=False)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, again(ids).logits)
+
+
+def test_importance_refusals(tiny_ckpt):
+    src = tiny_ckpt("qwen3_moe")
+    with pytest.raises(MoeqError, match="searches its scales"):
+        moeq.load(src, "q4_0", importance=1024, progress=False)
+    with pytest.raises(MoeqError, match="searches its scales"):
+        moeq.load(src, None, importance=1024, progress=False)
+    for bad in (100, 0.5, -512):
+        with pytest.raises(MoeqError, match="multiple of"):
+            moeq.load(src, "iq4nl", importance=bad, progress=False)
+
+
+def test_cli_quantize_with_importance(tiny_ckpt, tmp_path, capsys):
+    from moeq.cli import main
+
+    src = tiny_ckpt("qwen3_moe")
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--method", "iq4nl", "--importance", "1024"]) == 0
+    assert moeq.load(tmp_path / "out", progress=False).config.quantization_config["importance"]["tokens"] == 1024
+    assert main(["quantize", str(src), str(tmp_path / "bad"), "--method", "q4_0", "--importance", "1024"]) == 2
+    assert "searches its scales" in capsys.readouterr().err and not (tmp_path / "bad").exists()
