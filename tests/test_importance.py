@@ -88,3 +88,21 @@ def test_cli_quantize_with_importance(tiny_ckpt, tmp_path, capsys):
     assert moeq.load(tmp_path / "out", progress=False).config.quantization_config["importance"]["tokens"] == 1024
     assert main(["quantize", str(src), str(tmp_path / "bad"), "--method", "q4_0", "--importance", "1024"]) == 2
     assert "searches its scales" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_gguf_export_with_importance_is_the_loaded_model(tiny_ckpt, tmp_path):
+    """``moeq export SRC x.gguf --method iq4nl --importance N`` (streamed): an IQ4_NL GGUF holding exactly the
+    weights ``moeq.load(..., importance=N)`` quantizes, as gguf-py decodes them."""
+    gguf = pytest.importorskip("gguf")
+    from moeq.export import export_checkpoint
+
+    src = tiny_ckpt("mixtral")
+    out = tmp_path / "m.gguf"
+    summary = export_checkpoint(src, out, "gguf", quant="iq4nl", importance=1024)
+    assert summary["streamed"]
+    m = moeq.load(src, "iq4nl", importance=1024, progress=False)
+    want = m.model.layers[0].self_attn.v_proj.qweight.dequantize(torch.float32)
+    t = next(t for t in gguf.GGUFReader(out).tensors if t.name == "blk.0.attn_v.weight")
+    assert t.tensor_type.name == "IQ4_NL"
+    got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).float().reshape(want.shape)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -316,7 +316,8 @@ def cmd_export(args) -> int:
 
     summary = export_checkpoint(args.model, args.out, args.format, quant=_quant_config(args) if args.method else None,
                                 overwrite=args.overwrite, progress=not args.json, requantize=args.requantize,
-                                dtype=_dtype(args.dtype), layout=args.layout, force=args.force)
+                                dtype=_dtype(args.dtype), layout=args.layout, force=args.force,
+                                importance=args.importance)
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -582,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output folder; for gguf also a file name ending in .gguf")
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
     method_args(e, None)
+    importance_arg(e)
     e.add_argument("--layout", choices=["transformers5", "transformers4"], default="transformers5",
                    help="bnb: transformers5 loads with transformers 5 + bitsandbytes (quantized Linears; experts as "
                    "its fused bf16 params, which its bitsandbytes path never quantizes); transformers4 keeps every "

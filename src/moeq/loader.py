@@ -42,7 +42,7 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
         raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     dev = check_device(device)
     src = hub.resolve(path)
-    imp = _importance(src, quant, dtype, progress, importance) if importance else None
+    imp = importance_for(src, quant, dtype, progress, importance) if importance else None
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
     if imp is not None and isinstance(qc, dict):  # saved with the model: how its scales were chosen
@@ -55,7 +55,7 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
 
 
 
-def _importance(src, quant, dtype, progress: bool, tokens: int):
+def importance_for(src, quant, dtype, progress: bool, tokens: int):
     """The first pass of an ``importance=`` load: :func:`moeq.importance.collect` on the checkpoint loaded with
     :data:`moeq.importance.FIRST_PASS`, on the CPU."""
     from moeq import importance as imp  # noqa: PLC0415
