@@ -25,7 +25,7 @@ IMPORTANCE_ROWS = ["moeq q4_0-opt", "moeq q4_0-opt +importance", "moeq iq4nl", "
                    "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-dq", "moeq iq4nl-dq +importance",
                    "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-m", "moeq iq4nl-m +importance",
                    "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3", "moeq nl3 +importance", "moeq nl3-m",
-                   "moeq nl3-m +importance", "llama.cpp Q3_K_S --pure +imatrix"]
+                   "moeq nl3-m +importance"]
 ACCURACY_ROWS = ["moeq q4_0-opt", "llama.cpp Q4_0 --pure", "moeq iq4nl", "llama.cpp IQ4_NL --pure", "moeq iq4nl-dq",
                  "moeq iq4nl-m", "llama.cpp IQ4_NL (its mix)", "moeq nl3-m", "llama.cpp Q3_K_S (its mix)",
                  "llama.cpp Q3_K_M (its mix)",
@@ -78,8 +78,8 @@ def accuracy(name: str = "accuracy_vs_llamacpp.json", wanted: list[str] = ACCURA
     for m in wanted:
         r = rows.get(m)
         if r is not None:
-            secs = (f" {r['quantize_seconds']:.1f} |" if r.get("quantize_seconds") else " (llama-quantize) |"
-                    ) if seconds else ""
+            secs = ((" llama-imatrix + llama-quantize |" if m.startswith("llama.cpp") else
+                     f" {r['quantize_seconds']:.1f} |") if seconds else "")
             lines.append(f"| {m} | {r['bits_per_weight']:.3f} | {r['ppl']:.2f} | {r['mean_kl']:.4f} | "
                          f"{100 * r['top1']:.1f}% |" + secs)
     return "\n".join(lines)
