@@ -122,8 +122,6 @@ def collect(model: nn.Module, tokens: int = DEFAULT_TOKENS, seed: int = 0, seq: 
     if missing:  # a forward that bypassed the module would leave its experts unweighted without a word
         raise MoeqError(f"importance: experts modules {missing[:3]} were not called by the model's forward")
     lin = {k: v / tokens for k, v in stats.linears.items()}
-    exp = {}
-    for k, (a, b) in stats.experts.items():
-        exp[k] = (a / tokens, b / tokens)
+    exp = {k: (a / tokens, b / tokens) for k, (a, b) in stats.experts.items()}
     log.info("importance: %d linears, %d experts modules over %d random tokens", len(lin), len(exp), tokens)
     return Importance(lin, exp, tokens, seed)

@@ -46,8 +46,10 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
     if imp is not None and isinstance(qc, dict):  # saved with the model: how its scales were chosen
+        from moeq.importance import FIRST_PASS  # noqa: PLC0415
+
         qc["importance"] = {"tokens": imp.tokens, "seed": imp.seed, "inputs": "uniform random token ids",
-                            "measured_on": "q4_0"}  # moeq.importance.FIRST_PASS
+                            "measured_on": FIRST_PASS}
     if activations != "default":
         set_activations(model, activations)
     return model if dev.type == "cpu" else model.to(dev)
