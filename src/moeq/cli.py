@@ -85,6 +85,19 @@ def _quant_config(args):
     return QuantConfig(method(args.method, args.group_size), tuple(rules))
 
 
+def _quant_for(args, default: str | None = None):
+    """(quant config or None, bpw) of a command: ``--bpw`` chooses every tensor's method itself (moeq.allocate), so
+    it takes no --method, --rule or --group-size; otherwise --method (or ``default``) with its rules."""
+    bpw = getattr(args, "bpw", None)
+    if bpw is not None:
+        if args.method or args.rule or args.group_size:
+            raise MoeqError("--bpw chooses each tensor's method itself: give it without --method, --rule or "
+                            "--group-size")
+        return None, bpw
+    args.method = args.method or default
+    return (_quant_config(args) if args.method else None), None
+
+
 def _tokenizer(path: str):
     from moeq.generation import load_tokenizer
 
@@ -153,15 +166,16 @@ def cmd_quantize(args) -> int:
     check_target(out, args.overwrite, [args.src])  # before hours of work, not after
 
     src_bytes = sum(i.nbytes for i in Checkpoint(args.src).tensors.values())
-    qcfg = _quant_config(args)
-    _warn_slow_search(qcfg, src_bytes)
+    qcfg, bpw = _quant_for(args, "rtn-int4")
+    if qcfg is not None:
+        _warn_slow_search(qcfg, src_bytes)
     t0 = time.perf_counter()
     model = moeq.load(args.src, quant=qcfg, dtype=_dtype(args.dtype), progress=not args.json,
-                      device=args.device, importance=args.importance)
+                      device=args.device, importance=args.importance, bpw=bpw)
     moeq.save(model, out, overwrite=args.overwrite, source=args.src)
     secs = time.perf_counter() - t0
     info = moeq.inspect(model)
-    summary = {"out": str(out), "method": args.method, "params_quantized": info["quantized_params"],
+    summary = {"out": str(out), "method": args.method or f"bpw {bpw}", "params_quantized": info["quantized_params"],
                "bytes_before": src_bytes, "bytes_after": info["total_bytes"],
                "bits_per_weight": info["bits_per_weight"],
                "quantized_bits_per_weight": info["quantized_bits_per_weight"], "seconds": secs,
@@ -314,10 +328,11 @@ def cmd_inspect(args) -> int:
 def cmd_export(args) -> int:
     from moeq.export import export_checkpoint
 
-    summary = export_checkpoint(args.model, args.out, args.format, quant=_quant_config(args) if args.method else None,
+    quant, bpw = _quant_for(args)
+    summary = export_checkpoint(args.model, args.out, args.format, quant=quant,
                                 overwrite=args.overwrite, progress=not args.json, requantize=args.requantize,
                                 dtype=_dtype(args.dtype), layout=args.layout, force=args.force,
-                                importance=args.importance)
+                                importance=args.importance, bpw=bpw)
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -346,13 +361,13 @@ def cmd_eval(args) -> int:
         except OSError as e:
             raise MoeqError(f"--text {f}: {e.strerror}") from None
     ref_tok = _tokenizer(args.ref)
-    quant = _quant_config(args) if args.method else None
+    quant, bpw = _quant_for(args)
     ref = moeq.load(args.ref, dtype=_dtype(args.dtype), progress=not args.json)
     models = {}
     for path in args.model:
         tok = _tokenizer(path)
         models[path] = moeq.load(path, quant=quant, dtype=_dtype(args.dtype), progress=not args.json,
-                                 activations=args.activations, importance=args.importance)
+                                 activations=args.activations, importance=args.importance, bpw=bpw)
         check_compatible(models[path], ref, tok, ref_tok)
     # int8 activations change the decode kernels only (at most a few rows per weight): score them decode-shaped
     chunk = args.chunk or (DECODE_CHUNK if args.activations != "default" else None)
@@ -361,7 +376,7 @@ def cmd_eval(args) -> int:
     rows = []
     for path, res in results.items():
         info = moeq.inspect(models[path])
-        rows.append({"model": path, "method": args.method, "reference": args.ref, "texts": list(args.text),
+        rows.append({"model": path, "method": args.method or (f"bpw {bpw}" if bpw else None), "reference": args.ref, "texts": list(args.text),
                      "ctx": args.ctx, "activations": args.activations, "chunk": chunk, **res.to_dict(), "bits_per_weight": info["bits_per_weight"],
                      "quantized_bits_per_weight": info["quantized_bits_per_weight"]})
     if args.json:
@@ -461,11 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "weighs each weight column by its mean squared input, as llama.cpp's imatrix does with "
                         "calibration text (0: off)")
 
+    def bpw_arg(sp):
+        sp.add_argument("--bpw", type=_float_in(2.0, 16.0), default=None, metavar="BITS",
+                        help="data-free bit allocation instead of one --method: each tensor's method chosen from "
+                        "nl3 / iq4nl-dq / iq4nl / q5_0-opt / q8_0 by its measured sensitivity (noise on random token "
+                        "ids) to fit BITS per quantized weight, e.g. 3.8 or 4.3 (loads the model unquantized first)")
+
     def method_args(sp, default):
         sp.add_argument("--method", default=default, choices=sorted([*METHODS, *MIXES]), metavar="METHOD",
                         help=f"quantization method: {', '.join(sorted(METHODS))}; or a mix (a 4-bit default with "
                         f"k,v [and experts' down] at q8_0): {', '.join(sorted(MIXES))}"
-                        + ("" if default else " (default: load as stored)"))
+                        + (f" (default: {default})" if default else " (default: load as stored)"))
         sp.add_argument("--group-size", type=_group_size, default=None,
                         help="RTN group / bnb block size of --method (default: the method's; a tensor it does not "
                         "divide falls back to the largest halving that does, or one group per row)")
@@ -486,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "or a Hub id in the local cache")
     q.add_argument("out", help="output folder (written atomically)")
     method_args(q, "rtn-int4")
+    q.set_defaults(method=None)  # rtn-int4 unless --bpw (cmd_quantize)
     importance_arg(q)
+    bpw_arg(q)
     q.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT (nothing else)")
     q.add_argument("--json", action="store_true", help="print the summary as JSON")
     q.set_defaults(func=cmd_quantize)
@@ -584,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", required=True, choices=sorted(EXPORTERS))
     method_args(e, None)
     importance_arg(e)
+    bpw_arg(e)
     e.add_argument("--layout", choices=["transformers5", "transformers4"], default="transformers5",
                    help="bnb: transformers5 loads with transformers 5 + bitsandbytes (quantized Linears; experts as "
                    "its fused bf16 params, which its bitsandbytes path never quantizes); transformers4 keeps every "
@@ -608,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=_int_at_least(3), default=None, help="score at most this many tokens")
     method_args(ev, None)
     importance_arg(ev)
+    bpw_arg(ev)
     ev.add_argument("--activations", choices=["default", "int8"], default="default",
                     help="the decode kernels' activation numerics (moeq.set_activations); int8 scores decode-shaped "
                          "(moeq.eval.DECODE_CHUNK tokens per forward over a KV cache) unless --chunk says otherwise")

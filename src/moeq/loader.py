@@ -18,7 +18,7 @@ from moeq.nn import finite
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
          progress: bool = True, device: str | torch.device | None = None, activations: str = "default",
-         importance: int = 0) -> nn.Module:
+         importance: int = 0, bpw: float | None = None) -> nn.Module:
     """Load a checkpoint directory (or a Hub id already in the local Hugging Face cache): a moeq checkpoint as
     saved, or a bf16/fp16 one quantized in flight with ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
 
@@ -32,6 +32,10 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     quantized weight's mean squared input columns; the second pass quantizes with ``quant`` weighing its scale
     search by them. For methods whose quantizer searches (``iq4nl*``, ``nl3*``, ``q4_0-opt``); no text needed.
 
+    ``bpw`` (bits per quantized weight, e.g. 3.8): data-free bit allocation (:mod:`moeq.allocate`) — the model is
+    first loaded unquantized, each tensor's sensitivity measured on random token ids, and each tensor's method chosen
+    from :data:`moeq.allocate.LADDER` to fit the budget; ``quant`` must then be None.
+
     The model raises :class:`moeq.nn.finite.NonFiniteError` (a :class:`MoeqError`) at the first layer that turns finite
     input into NaN/Inf, rather than return non-finite logits (:mod:`moeq.nn.finite`)."""
     from moeq.kernels.gpu import check_device  # noqa: PLC0415
@@ -42,6 +46,9 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
         raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     dev = check_device(device)
     src = hub.resolve(path)
+    allocation = None
+    if bpw is not None:
+        quant, allocation = allocate_for(src, quant, dtype, progress, bpw)
     imp = importance_for(src, quant, dtype, progress, importance) if importance else None
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
@@ -50,11 +57,31 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
 
         qc["importance"] = {"tokens": imp.tokens, "seed": imp.seed, "inputs": "uniform random token ids",
                             "measured_on": FIRST_PASS}
+    if allocation is not None and isinstance(qc, dict):  # saved with the model: how its methods were chosen
+        qc["allocation"] = allocation
     if activations != "default":
         set_activations(model, activations)
     return model if dev.type == "cpu" else model.to(dev)
 
 
+
+
+def allocate_for(src, quant, dtype, progress: bool, bpw: float):
+    """The first pass of a ``bpw=`` load: :func:`moeq.allocate.measure` on the checkpoint loaded unquantized, then
+    the budget's :class:`QuantConfig` and its summary."""
+    from moeq import allocate  # noqa: PLC0415
+
+    if quant is not None:
+        raise MoeqError(f"bpw chooses each tensor's method itself (from {', '.join(allocate.LADDER)}); give no method "
+                        f"with it, got {quant!r}")
+    if isinstance(bpw, bool) or not isinstance(bpw, (int, float)) or not 2.0 <= bpw <= 16.0:
+        raise MoeqError(f"bpw must be a number of bits per weight between 2 and 16, got {bpw!r}")
+    first = finite.install(readers.read(src, None, dtype, progress, torch.device("cpu")))
+    try:
+        sens = allocate.measure(first, progress=progress)
+    finally:
+        del first
+    return allocate.config(sens, float(bpw)), allocate.summary(sens, float(bpw))
 
 
 def importance_for(src, quant, dtype, progress: bool, tokens: int):

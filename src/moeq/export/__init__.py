@@ -76,21 +76,23 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
 def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format: str, quant=None,
                       overwrite: bool = False, progress: bool = False, requantize: bool = False, dtype=None,
                       layout: str = "transformers5", check: bool = True, force: bool = False,
-                      importance: int = 0) -> dict:
+                      importance: int = 0, bpw: float | None = None) -> dict:
     """Read the checkpoint ``source`` (quantized in flight with ``quant``, as :func:`moeq.load` does) and write it as
     ``format``. A GGUF from any checkpoint read tensor by tensor (bf16/fp16, FP8, MXFP4, GPTQ/AWQ, bitsandbytes,
     compressed-tensors) is **streamed**: each decoder layer is written as soon as it is read and quantized, then
     freed — peak memory is about one layer, whatever the model's size (``peak_rss_bytes`` in the summary); ``check``
     then decodes every exactly-typed tensor back with gguf-py against moeq's values. Anything else is loaded whole,
     then written by :func:`export` (whose ``check`` compares the consumer's logits). ``importance``: as in
-    :func:`moeq.load` (data-free column statistics from a first pass; e.g. an IQ4_NL GGUF from ``iq4nl``)."""
+    :func:`moeq.load` (data-free column statistics from a first pass; e.g. an IQ4_NL GGUF from ``iq4nl``); ``bpw``:
+    as in :func:`moeq.load` (each tensor's method chosen by data-free bit allocation; a GGUF has no exact type for
+    ``nl3`` tensors, so a GGUF of a low budget needs ``requantize``)."""
     import resource  # noqa: PLC0415
 
     from moeq import readers  # noqa: PLC0415
     from moeq.config import QuantConfig  # noqa: PLC0415
     from moeq.io import hub  # noqa: PLC0415
     from moeq.io.writer import check_target  # noqa: PLC0415
-    from moeq.loader import importance_for, load  # noqa: PLC0415
+    from moeq.loader import allocate_for, importance_for, load  # noqa: PLC0415
 
     if format not in EXPORTERS:
         raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
@@ -99,9 +101,11 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format:
         check_target(Path(out), overwrite, [source])
     path = hub.resolve(source)
     if format != "gguf" or not readers.claim(readers.inspect(path, torch.device("cpu"))).streams:
-        model = load(path, quant=quant, dtype=dtype, progress=progress, importance=importance)
+        model = load(path, quant=quant, dtype=dtype, progress=progress, importance=importance, bpw=bpw)
         return export(model, out, format, overwrite=overwrite, source=path, progress=progress, requantize=requantize,
                       layout=layout, check=check, force=force)
+    if bpw is not None:
+        quant, _ = allocate_for(path, quant, dtype, progress, bpw)
     quant = QuantConfig.of(quant) if quant is not None else None
     imp = importance_for(path, quant, dtype, progress, importance) if importance else None
 
