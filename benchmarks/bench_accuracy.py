@@ -267,6 +267,11 @@ def main():
                          "(moeq.load(..., importance=TOKENS): statistics of uniformly random token ids): rows "
                          "'METHOD +importance'")
     ap.add_argument("--importance-tokens", type=int, default=8192)
+    ap.add_argument("--bpw", nargs="*", type=float, default=[], metavar="BITS",
+                    help="also score data-free bit allocation (moeq.allocate: sensitivities measured once on the "
+                         "reference model, each tensor's method chosen for each budget): rows 'moeq bpw BITS', and "
+                         "with --bpw-importance also 'moeq bpw BITS +importance'")
+    ap.add_argument("--bpw-importance", action="store_true")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -296,6 +301,24 @@ def main():
         models[label] = m
         rows[label] = {**_row(label, secs, info["quantized_bits_per_weight"], info["quantized_params"]),
                        "importance_tokens": args.importance_tokens}
+    if args.bpw:
+        from moeq import allocate  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        sens = allocate.measure(ref, progress=False)
+        measure_secs = time.perf_counter() - t0  # shared by every budget: counted in each row
+        for bits in args.bpw:
+            cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
+            for imp in (0, args.importance_tokens) if args.bpw_importance else (0,):
+                label = f"moeq bpw {bits:g}" + (" +importance" if imp else "")
+                t0 = time.perf_counter()
+                m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False, importance=imp)
+                secs = measure_secs + time.perf_counter() - t0
+                info = moeq.inspect(m)
+                models[label] = m
+                rows[label] = {**_row(label, secs, info["quantized_bits_per_weight"], info["quantized_params"]),
+                               "allocation": plan, "allocate_seconds": measure_secs} | (
+                    {"importance_tokens": imp} if imp else {})
     for name, (nbits, gs) in HQQ_LIB.items():
         if args.only and name not in args.only:
             continue

@@ -5,9 +5,12 @@ llama.cpp's mixes (Q4_K_M, IQ4_XS, ...) and moeq's own (``iq4nl-m``, ``nl3-m``) 
 v projections, every down projection, "more-bits" layers). Here the choice is measured, per tensor, without data:
 
 1. **Sensitivity** ``alpha_t``: the model is loaded in its compute dtype and, one tensor at a time, its weights get
-   Gaussian noise of relative mean square ``NOISE`` (``||dW||^2 / ||W||^2``); ``alpha_t`` is the mean KL of the
-   noisy model's next-token distribution from the clean one's over uniformly random token ids (seeded), divided by
-   ``NOISE``. A tensor is an attention/shared-expert/dense linear or one layer's routed-experts slot (``w13`` or
+   Gaussian noise (one seeded direction at the two relative mean squares ``||dW||^2 / ||W||^2`` of ``NOISE``);
+   ``alpha_t`` is the slope of the mean KL of the noisy model's next-token distribution from the clean one's, over
+   uniformly random token ids (seeded), between the two. A slope, not KL / noise: any change to a tensor, however
+   small, flips some near-tied router choices downstream — a jump of the KL that every method pays alike (measured up
+   to 0.03 nats for a first-layer tensor at 1e-9 noise on the real-weights fixture) and that would otherwise swamp
+   the differences between methods. A tensor is an attention/shared-expert/dense linear or one layer's routed-experts slot (``w13`` or
    ``w2``, all experts together).
 2. **Error** ``e_t(m)``: each candidate method ``m`` of the ladder quantizes the tensor as the load would; ``e_t(m)``
    is the relative squared weight error of what it gives back, and ``b_t(m)`` its exact bits per weight.
@@ -37,7 +40,7 @@ from moeq.errors import MoeqError
 log = logging.getLogger(__name__)
 
 LADDER = ("nl3", "iq4nl-dq", "iq4nl", "q5_0-opt", "q8_0")  # cheapest first; each a moeq method name
-NOISE = 0.01  # relative mean square of the probe noise (about a 4-bit grid's)
+NOISE = (0.0025, 0.02)  # relative mean squares of the probe noise (about a 5-bit and a 3-bit grid's error)
 TOKENS = 1024
 SEQ = 256
 BATCH = 4
@@ -133,10 +136,13 @@ def measure(model: nn.Module, ladder: tuple[str, ...] = LADDER, tokens: int | No
     for name, params, weight in tqdm(units, desc="sensitivity", unit="tensor", disable=not progress):
         t = Tensor(name, sum(p.numel() for p in params))
         kept = [p.detach().clone() for p in params]
-        for p in params:
-            rms = float(p.float().pow(2).mean().sqrt())
-            p.add_((torch.randn(p.shape, generator=gen) * (rms * math.sqrt(NOISE))).to(p.dtype))
-        t.alpha = _kl(model, ids, ref) / NOISE
+        dirs = [torch.randn(p.shape, generator=gen) * float(p.float().pow(2).mean().sqrt()) for p in params]
+        kl = []
+        for level in NOISE:  # one direction at two sizes: the slope, without the jump any change makes
+            for p, k, d in zip(params, kept, dirs):
+                p.copy_((k.float() + d * math.sqrt(level)).to(p.dtype))
+            kl.append(_kl(model, ids, ref))
+        t.alpha = max(kl[1] - kl[0], 0.0) / (NOISE[1] - NOISE[0])
         for p, k in zip(params, kept):
             p.copy_(k)
         w = weight().float()
@@ -215,5 +221,5 @@ def summary(sens: Sensitivity, bpw: float) -> dict:
         count[m] = count.get(m, 0) + 1
     return {"target_bpw": bpw, "bpw": sum(t.params * t.bits[got[t.name]] for t in sens.tensors) / total,
             "predicted_kl": sum(t.cost(got[t.name]) for t in sens.tensors), "ladder": list(sens.ladder),
-            "tensors_per_method": count, "tokens": sens.tokens, "seed": sens.seed, "noise": NOISE,
+            "tensors_per_method": count, "tokens": sens.tokens, "seed": sens.seed, "noise": list(NOISE),
             "inputs": "uniform random token ids"}
