@@ -304,12 +304,16 @@ def main():
     if args.bpw:
         from moeq import allocate  # noqa: PLC0415
 
-        t0 = time.perf_counter()
-        sens = allocate.measure(ref, progress=False)
-        measure_secs = time.perf_counter() - t0  # shared by every budget: counted in each row
+        from moeq.loader import importance_for  # noqa: PLC0415
+
+        measured = {}
+        for imp in (0, args.importance_tokens) if args.bpw_importance else (0,):
+            t0 = time.perf_counter()  # as moeq.load(bpw=, importance=): statistics first, errors weighted by them
+            stats = importance_for(Path(args.model), "iq4nl", dtype, False, imp) if imp else None
+            measured[imp] = (allocate.measure(ref, progress=False, importance=stats), time.perf_counter() - t0)
         for bits in args.bpw:
-            cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
-            for imp in (0, args.importance_tokens) if args.bpw_importance else (0,):
+            for imp, (sens, measure_secs) in measured.items():  # measure_secs: shared by every budget, in each row
+                cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
                 label = f"moeq bpw {bits:g}" + (" +importance" if imp else "")
                 t0 = time.perf_counter()
                 m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False, importance=imp)

@@ -39,17 +39,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from llamacpp import CACHE, build_flags, find_tool  # noqa: E402
 
 
-def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None, batches: list[int] = (4,)) -> dict:
+def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None, batches: list[int] = (4,),
+                ik: bool = False) -> dict:
+    """llama-bench's decode (tg128) and prefill (pp512, pp2048) and llama-batched-bench's aggregate decode; ``ik``:
+    ik_llama.cpp's tools, run as its MoE users run them (fused MoE up/gate, its default, and run-time repacked
+    rows: ``-rtr``)."""
+    extra = ["-rtr", "1", "-fmoe", "1"] if ik else []
     out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", "512,2048", "-n", "128", "-r", "2",
-                          "-o", "json"], capture_output=True, text=True, check=True, timeout=1800).stdout
-    rows = json.loads(out)
+                          *extra, "-o", "json"], capture_output=True, text=True, check=True, timeout=1800).stdout
+    rows = json.loads(out[out.index("["):])
     get = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
     res = {"decode_tps": get[(0, 128)], "prefill512_tps": get[(512, 0)], "prefill2048_tps": get[(2048, 0)]}
     if batched is not None and batches:  # B sequences decoding together (aggregate tok/s), 32-token prompts as moeq's
         ctx = max(batches) * (32 + 128)
-        out = subprocess.run([str(batched), "-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", "2048",
-                              "-ub", "512", "-npp", "32", "-ntg", "128", "-npl", ",".join(map(str, batches)),
-                              "--output-format", "jsonl"], capture_output=True, text=True, check=True,
+        cmd = [str(batched), "-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp",
+               "32", "-ntg", "128", "-npl", ",".join(map(str, batches))]
+        if ik:  # no JSON output in the fork: its Markdown rows |PP|TG|B|N_KV|T_PP|S_PP|T_TG|S_TG|T|S|
+            out = subprocess.run(cmd + ["-rtr"], capture_output=True, text=True, check=True, timeout=3600)
+            for line in (out.stdout + out.stderr).splitlines():
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) == 10 and cells[0].isdigit():
+                    res[f"decode_b{int(cells[2])}_tps"] = float(cells[7])
+            return res
+        out = subprocess.run(cmd + ["--output-format", "jsonl"], capture_output=True, text=True, check=True,
                              timeout=3600).stdout
         for row in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
             res[f"decode_b{row['pl']}_tps"] = row["speed_tg"]
@@ -86,6 +98,9 @@ def main() -> None:
                     help="concurrent sequences for the aggregate decode rows (llama-batched-bench -npl)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--ik-llama-bench", default=None,
+                    help="ik_llama.cpp's llama-bench (default: its cache build, see benchmarks/llamacpp.py; measured "
+                         "beside llama.cpp in every round when found)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: both systems built for AVX2 + FMA only (moeq: MOEQ_NATIVE_MARCH=x86-64-v3)")
     ap.add_argument("--activations", choices=["default", "int8", "both"], default="both",
@@ -101,6 +116,10 @@ def main() -> None:
     batched = find_tool("llama-batched-bench", None, build)
     if batched is None:
         print("llama-batched-bench not found (cmake --build build --target llama-batched-bench): no b4 rows")
+    ik_exe = find_tool("llama-bench", args.ik_llama_bench, ik=True) if args.isa == "native" else None
+    ik_batched = find_tool("llama-batched-bench", None, ik=True) if ik_exe is not None else None
+    if ik_exe is None:
+        print("ik_llama.cpp's llama-bench not found (benchmarks/llamacpp.py says how to build it): llama.cpp only")
     if exe is None or not exe.exists():
         print("llama-bench not found: build it as this script's docstring says (or pass --llama-bench); skipping")
         return
@@ -131,6 +150,8 @@ def main() -> None:
             bw = bench.memory_bandwidth()
             theirs = llama_bench(exe, gguf, args.threads, batched, args.batches)
             row = {"method": method, "round": rnd, "llama.cpp": theirs}
+            if ik_exe is not None:
+                row["ik_llama.cpp"] = llama_bench(ik_exe, gguf, args.threads, ik_batched, args.batches, ik=True)
             for mode in ("default", "int8") if args.activations == "both" else (args.activations,):
                 moeq.set_activations(model, mode)
                 row["moeq" if mode == "default" else "moeq int8"] = moeq_measure(model, prefill=mode == "default",
@@ -143,7 +164,9 @@ def main() -> None:
         del model
     report(rows, {"model": str(src), "threads": args.threads, "isa": args.isa, "cpu": bench.cpu_summary(),
                   "moeq_simd_level": native.lib().moeq_simd_level(), "moeq_amx_tiles": native.amx_tiles(),
-                  "llama_bench": str(exe), "llama_build": build_flags(exe)}, out)
+                  "llama_bench": str(exe), "llama_build": build_flags(exe)}
+           | ({"ik_llama_bench": str(ik_exe), "ik_llama_build": build_flags(ik_exe)} if ik_exe is not None else {}),
+           out)
 
 
 def report(rows: list[dict], meta: dict, out: Path) -> None:
@@ -153,7 +176,7 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
         b = best.setdefault(r["method"], {"llama.cpp": {}, "moeq": {}, "roofline_tps": 0.0, "roofline_tps_llama.cpp": 0.0})
         b["roofline_tps"] = max(b["roofline_tps"], r["roofline_tps"])
         b["roofline_tps_llama.cpp"] = max(b["roofline_tps_llama.cpp"], r.get("roofline_tps_llama.cpp", r["roofline_tps"]))
-        for sys_ in ("llama.cpp", "moeq", "moeq int8"):
+        for sys_ in ("llama.cpp", "ik_llama.cpp", "moeq", "moeq int8"):
             for k, v in r.get(sys_, {}).items():
                 cell = b.setdefault(sys_, {})
                 cell[k] = max(cell.get(k, 0.0), v)
@@ -165,17 +188,17 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
     print("\n| weights | " + " | ".join(f"{label} llama.cpp / moeq tok/s (ratio)" for _, label in keys)
           + " | b1 roofline tok/s (llama.cpp / moeq fraction) |\n|---" * 1 + "|---" * (len(keys) + 1) + "|")
     for method, b in best.items():
-        for sys_ in ("moeq", "moeq int8"):
-            if sys_ not in b:
+        for sys_, anchor in (("moeq", "llama.cpp"), ("moeq int8", "llama.cpp"), ("moeq", "ik_llama.cpp")):
+            if sys_ not in b or anchor not in b:
                 continue
-            lc, mq = b["llama.cpp"], b[sys_]
+            lc, mq = b[anchor], b[sys_]
             cells = [f"{lc[k]:.1f} / {mq[k]:.1f} ({mq[k] / lc[k]:.2f})" if k in lc and k in mq else "n/a"
                      for k, _ in keys]
             roof, roof_lc = b["roofline_tps"], b["roofline_tps_llama.cpp"]
             ours, _, theirs = method.partition("=")
             head = ours.partition("+head:")[2] or "bf16"
             act = ", int8 activations" if sys_ == "moeq int8" else ""
-            vs = f" (llama.cpp: {theirs})" if theirs else ""
+            vs = f" ({anchor}: {theirs})" if theirs else f" (vs {anchor})" if anchor != "llama.cpp" else ""
             roofs = f"{roof:.0f}" if round(roof) == round(roof_lc) else f"{roof_lc:.0f} / {roof:.0f}"
             print(f"| {ours.partition('+head:')[0]}, {head} lm_head{act}{vs} | " + " | ".join(cells)
                   + f" | {roofs} ({lc['decode_tps'] / roof_lc:.0%} / {mq['decode_tps'] / roof:.0%}) |")

@@ -14,6 +14,19 @@ and, for the AVX2 head-to-head (what CPUs without AVX512 run; bench_vs_llamacpp.
           -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release \
           && cmake --build build-avx2 -j2 --target llama-bench llama-batched-bench
 
+ik_llama.cpp (the CPU-MoE fork: fused MoE up/gate, run-time repacked rows), the second anchor, from the
+``ik-llama-cpp-python`` sdist the same way (``GGML_NATIVE=ON`` is safe on AMX machines: the fork has no AMX backend;
+over 20 minutes on 2 cores):
+
+    pip download --no-deps --no-binary :all: ik-llama-cpp-python==0.1.5 -d ~/.cache/moeq-ikllamacpp
+    tar -xzf ~/.cache/moeq-ikllamacpp/ik_llama_cpp_python-0.1.5.tar.gz -C ~/.cache/moeq-ikllamacpp
+    cd ~/.cache/moeq-ikllamacpp/ik_llama_cpp_python-0.1.5/vendor/ik_llama.cpp
+    # the sdist lacks common/cmake/build-info-gen-cpp.cmake: write the file it would generate
+    sed -e 's/@BUILD_NUMBER@/0/; s/@BUILD_COMMIT@/sdist-0.1.5/; s/@BUILD_COMPILER@/gcc/; s/@BUILD_TARGET@/x86_64/' \
+        common/build-info.cpp.in > common/build-info.cpp
+    cmake -B build -DGGML_NATIVE=ON -DGGML_IQK_FA_ALL_QUANTS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+          -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench llama-batched-bench
+
 ``convert_hf_to_gguf.py`` (same folder) needs ``sentencepiece`` for Llama-family checkpoints; it is not a moeq
 dependency: ``pip install --target ~/.cache/moeq-llamacpp/pydeps sentencepiece`` (put on PYTHONPATH by
 :func:`convert`)."""
@@ -27,11 +40,13 @@ from pathlib import Path
 import numpy as np
 
 CACHE = Path.home() / ".cache" / "moeq-llamacpp"
+IK_CACHE = Path.home() / ".cache" / "moeq-ikllamacpp"
 ATTN_EXPERTS = (".attn_q.", ".attn_k.", ".attn_v.", ".attn_output.", "_exps.")  # what both sides quantize
 
 
-def vendor_dir() -> Path | None:
-    hits = sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))
+def vendor_dir(ik: bool = False) -> Path | None:
+    hits = sorted(IK_CACHE.glob("ik_llama_cpp_python-*/vendor/ik_llama.cpp") if ik else
+                  CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))
     return hits[-1] if hits else None
 
 
@@ -41,7 +56,7 @@ def build_flags(exe: Path) -> str:
     if not cache.exists():
         return "unknown"
     keys = ("GGML_NATIVE", "GGML_AVX2", "GGML_AVX512", "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AMX_INT8",
-            "GGML_AMX_BF16")
+            "GGML_AMX_BF16", "GGML_IQK_MUL_MAT")
     got = {}
     for line in cache.read_text().splitlines():
         name, _, value = line.partition("=")
@@ -51,10 +66,10 @@ def build_flags(exe: Path) -> str:
     return ", ".join(f"{k.removeprefix('GGML_')}={got[k]}" for k in keys if k in got)
 
 
-def find_tool(name: str, given: str | None = None, build: str = "build") -> Path | None:
+def find_tool(name: str, given: str | None = None, build: str = "build", ik: bool = False) -> Path | None:
     if given:
         return Path(given)
-    v = vendor_dir()
+    v = vendor_dir(ik)
     exe = v / build / "bin" / name if v else None
     return exe if exe is not None and exe.exists() else None
 

@@ -49,21 +49,28 @@ def vs_llamacpp(name: str) -> str:
     keys = [("decode_tps", "decode b1")] + [(f"decode_b{n}_tps", f"decode b{n}") for n in (4, 8, 16)
                                            if f"decode_b{n}_tps" in seen] + [("prefill512_tps", "pp512"),
                                                                             ("prefill2048_tps", "pp2048")]
-    head = "| weights (both engines) | " + " | ".join(f"{h}: llama.cpp / moeq tok/s" for _, h in keys) + " |"
+    anchors = [a for a in ("llama.cpp", "ik_llama.cpp") if any(a in b for b in d["best"].values())]
+    who = "llama.cpp" if anchors == ["llama.cpp"] else "anchor"
+    head = "| weights (both engines) | " + " | ".join(f"{h}: {who} / moeq tok/s" for _, h in keys) + " |"
     build = f"{d['isa']} builds" + (f"; llama.cpp {d['llama_build']}" if d.get("llama_build") else "") + (
+        f"; ik_llama.cpp {d['ik_llama_build']}, run with -rtr -fmoe" if d.get("ik_llama_build") else "") + (
         "; moeq prefill on AMX tiles" if d.get("moeq_amx_tiles") else "")
     lines = [f"{d['threads']} threads, {cpu} ({build}; `benchmarks/results/{name}`); best round, "
              "median in brackets:", "", head, "|---" * (len(keys) + 1) + "|"]
     for method, best in d["best"].items():
-        cells = []
-        for key, _ in keys:
-            lb, mb = best["llama.cpp"].get(key), best["moeq"].get(key)
-            if lb is None or mb is None:
-                cells.append("")
+        for anchor in anchors:
+            if anchor not in best:
                 continue
-            lm, mm = _medians(d, method, "llama.cpp", key), _medians(d, method, "moeq", key)
-            cells.append(_cell(lb, mb) + (f" [{mm / lm:.2f}x]" if lm and mm else ""))
-        lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(cells) + " |")
+            cells = []
+            for key, _ in keys:
+                lb, mb = best[anchor].get(key), best["moeq"].get(key)
+                if lb is None or mb is None:
+                    cells.append("")
+                    continue
+                lm, mm = _medians(d, method, anchor, key), _medians(d, method, "moeq", key)
+                cells.append(_cell(lb, mb) + (f" [{mm / lm:.2f}x]" if lm and mm else ""))
+            label = LABELS.get(method, method) + (f" — vs {anchor}" if who == "anchor" else "")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -102,3 +102,33 @@ def test_cli_bpw(tiny_ckpt, tmp_path, capsys, monkeypatch):
     assert summary["method"] == "bpw 4.3" and summary["quantized_bits_per_weight"] <= 4.3 + 1e-6
     assert cli(["quantize", str(src), str(tmp_path / "r"), "--bpw", "4.3", "--method", "q4_0"]) != 0
     assert "without --method" in capsys.readouterr().err
+
+
+def test_importance_weights_the_errors(tiny_ckpt, monkeypatch):
+    """With importance the errors are those of weights quantized with it, weighted by its columns (as the load
+    quantizes them); with uniform importance they equal the unweighted errors of those weights."""
+    from moeq import importance as imp
+
+    monkeypatch.setattr(allocate, "TOKENS", allocate.SEQ)
+    src = tiny_ckpt("qwen3_moe")
+    m = moeq.load(src, progress=False)
+    stats = imp.collect(moeq.load(src, imp.FIRST_PASS, progress=False), tokens=imp.SEQ, progress=False)
+    plain = {t.name: t for t in allocate.measure(m, progress=False).tensors}
+    weighted = {t.name: t for t in allocate.measure(m, progress=False, importance=stats).tensors}
+    name = "model.layers.0.self_attn.q_proj"
+    w = m.get_submodule(name).weight.float()
+    cols = stats.linear(name)
+    q = moeq.config.method("iq4nl").quantize(w.bfloat16(), importance=cols).dequantize(torch.float32)
+    want = float((cols * (q - w) ** 2).sum() / (cols * w ** 2).sum())
+    assert weighted[name].error["iq4nl"] == pytest.approx(want, rel=1e-5)
+    assert weighted[name].error["iq4nl"] != pytest.approx(plain[name].error["iq4nl"], rel=1e-3)
+    ones = imp.Importance({k: torch.ones_like(v) for k, v in stats.linears.items()},
+                          {k: (torch.ones_like(a), torch.ones_like(b)) for k, (a, b) in stats.experts.items()},
+                          stats.tokens, stats.seed)
+    uniform = {t.name: t for t in allocate.measure(m, progress=False, importance=ones).tensors}
+    for t in uniform.values():  # q8_0 has no search: the same weights, so the same error and sensitivity
+        assert t.error["q8_0"] == pytest.approx(plain[t.name].error["q8_0"], rel=1e-4)
+        assert t.alpha == pytest.approx(plain[t.name].alpha, rel=2e-2)
+    got = moeq.load(src, bpw=4.3, importance=imp.SEQ, progress=False)
+    rec = got.config.quantization_config["allocation"]
+    assert rec["importance_weighted"] and rec["bpw"] <= 4.3

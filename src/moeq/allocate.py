@@ -117,11 +117,38 @@ def _kl(model: nn.Module, ids: torch.Tensor, ref: list[torch.Tensor]) -> float:
     return total / ids.numel()
 
 
+def _columns(name: str, importance, w: torch.Tensor) -> torch.Tensor:
+    """Column weights broadcastable onto the moeq-layout weight ``w`` (``[N, K]`` or ``[E, N, K]``): the importance
+    statistic where measured (per expert for experts), else ones."""
+    if importance is None:
+        return torch.ones(w.shape[-1])
+    if w.ndim == 3:
+        mod, _, slot = name.rpartition(".")
+        pair = importance.experts.get(mod)
+        return torch.ones(w.shape[-1]) if pair is None else pair[1 if slot == "w2" else 0].float().unsqueeze(1)
+    col = importance.linear(name)
+    return torch.ones(w.shape[-1]) if col is None else col.float()
+
+
+def _quantize(m: str, w: torch.Tensor, name: str, importance, cols: torch.Tensor):
+    """``w`` as method ``m`` quantizes it in a load (with importance: per expert, each with its own columns)."""
+    fmt = method(m)
+    if importance is None or not fmt.uses_importance():
+        return fmt.quantize(w, name=name)
+    if w.ndim == 2:
+        return fmt.quantize(w, name=name, importance=cols)
+    parts = [fmt.quantize(w[e], name=f"{name}[{e}]", importance=cols[e, 0] if bool(cols[e, 0].any()) else None)
+             for e in range(w.shape[0])]
+    return type(parts[0]).join([[q] for q in parts])
+
+
 @torch.no_grad()
 def measure(model: nn.Module, ladder: tuple[str, ...] = LADDER, tokens: int | None = None, seed: int = 0,
-            progress: bool = True) -> Sensitivity:
+            progress: bool = True, importance=None) -> Sensitivity:
     """Every tensor's sensitivity and ladder errors on ``model`` (unquantized, as :func:`moeq.load` without a method
-    returns it), over ``tokens`` random ids (default :data:`TOKENS`)."""
+    returns it), over ``tokens`` random ids (default :data:`TOKENS`). ``importance`` (:class:`moeq.importance.
+    Importance`): the errors are then the importance-weighted ones of weights quantized with it, as the load will
+    (``sum_k c_k dW_k^2 / sum_k c_k W_k^2`` over input columns ``k``), and the probe's size is measured the same way."""
     tokens = TOKENS if tokens is None else tokens
     for m in ladder:
         method(m)  # an unknown name fails here, before any work
@@ -136,24 +163,29 @@ def measure(model: nn.Module, ladder: tuple[str, ...] = LADDER, tokens: int | No
     for name, params, weight in tqdm(units, desc="sensitivity", unit="tensor", disable=not progress):
         t = Tensor(name, sum(p.numel() for p in params))
         kept = [p.detach().clone() for p in params]
-        dirs = [torch.randn(p.shape, generator=gen) * float(p.float().pow(2).mean().sqrt()) for p in params]
+        rms2 = [float(p.float().pow(2).mean()) for p in params]
+        dirs = [torch.randn(p.shape, generator=gen) * math.sqrt(r) for p, r in zip(params, rms2)]
         kl = []
         for level in NOISE:  # one direction at two sizes: the slope, without the jump any change makes
             for p, k, d in zip(params, kept, dirs):
                 p.copy_((k.float() + d * math.sqrt(level)).to(p.dtype))
             kl.append(_kl(model, ids, ref))
-        t.alpha = max(kl[1] - kl[0], 0.0) / (NOISE[1] - NOISE[0])
         for p, k in zip(params, kept):
             p.copy_(k)
         w = weight().float()
-        norm = float(w.pow(2).sum())
+        cols = _columns(name, importance, w)
+        norm = float((cols * w.pow(2)).sum())
+        # the probe's weighted relative error per unit of level: its expectation over the direction (exact to
+        # ~1/sqrt(weights)); 1 without importance
+        probe = rms2[0] * float(cols.expand_as(w).sum()) / max(norm, 1e-30)
+        t.alpha = max(kl[1] - kl[0], 0.0) / ((NOISE[1] - NOISE[0]) * probe)
         for m in ladder:
             try:
-                q = method(m).quantize(w.to(params[0].dtype), name=name)
+                q = _quantize(m, w.to(params[0].dtype), name, importance, cols)
             except MoeqError as e:  # a shape this method cannot take: not a candidate for this tensor
                 log.info("bit allocation: %s cannot take %s (%s)", m, name, e)
                 continue
-            t.error[m] = float((q.dequantize(torch.float32) - w).pow(2).sum()) / max(norm, 1e-30)
+            t.error[m] = float((cols * (q.dequantize(torch.float32) - w).pow(2)).sum()) / max(norm, 1e-30)
             t.bits[m] = q.bits_per_weight
         if not t.error:
             raise MoeqError(f"bit allocation: no method of {list(ladder)} can quantize {name} {list(w.shape)}")

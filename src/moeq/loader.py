@@ -47,9 +47,11 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     dev = check_device(device)
     src = hub.resolve(path)
     allocation = None
-    if bpw is not None:
-        quant, allocation = allocate_for(src, quant, dtype, progress, bpw)
-    imp = importance_for(src, quant, dtype, progress, importance) if importance else None
+    if bpw is not None:  # the importance first: the allocation then weighs each tensor's error by it too
+        imp = importance_for(src, "iq4nl", dtype, progress, importance) if importance else None
+        quant, allocation = allocate_for(src, quant, dtype, progress, bpw, imp)
+    else:
+        imp = importance_for(src, quant, dtype, progress, importance) if importance else None
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
     if imp is not None and isinstance(qc, dict):  # saved with the model: how its scales were chosen
@@ -66,9 +68,9 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
 
 
 
-def allocate_for(src, quant, dtype, progress: bool, bpw: float):
-    """The first pass of a ``bpw=`` load: :func:`moeq.allocate.measure` on the checkpoint loaded unquantized, then
-    the budget's :class:`QuantConfig` and its summary."""
+def allocate_for(src, quant, dtype, progress: bool, bpw: float, importance=None):
+    """The first pass of a ``bpw=`` load: :func:`moeq.allocate.measure` on the checkpoint loaded unquantized (its
+    errors weighted by ``importance`` when given), then the budget's :class:`QuantConfig` and its summary."""
     from moeq import allocate  # noqa: PLC0415
 
     if quant is not None:
@@ -78,10 +80,11 @@ def allocate_for(src, quant, dtype, progress: bool, bpw: float):
         raise MoeqError(f"bpw must be a number of bits per weight between 2 and 16, got {bpw!r}")
     first = finite.install(readers.read(src, None, dtype, progress, torch.device("cpu")))
     try:
-        sens = allocate.measure(first, progress=progress)
+        sens = allocate.measure(first, progress=progress, importance=importance)
     finally:
         del first
-    return allocate.config(sens, float(bpw)), allocate.summary(sens, float(bpw))
+    return allocate.config(sens, float(bpw)), allocate.summary(sens, float(bpw)) | {
+        "importance_weighted": importance is not None}
 
 
 def importance_for(src, quant, dtype, progress: bool, tokens: int):

@@ -104,10 +104,12 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format:
         model = load(path, quant=quant, dtype=dtype, progress=progress, importance=importance, bpw=bpw)
         return export(model, out, format, overwrite=overwrite, source=path, progress=progress, requantize=requantize,
                       layout=layout, check=check, force=force)
-    if bpw is not None:
-        quant, _ = allocate_for(path, quant, dtype, progress, bpw)
-    quant = QuantConfig.of(quant) if quant is not None else None
-    imp = importance_for(path, quant, dtype, progress, importance) if importance else None
+    if bpw is not None:  # as moeq.load: the importance first, the allocation weighs errors by it
+        imp = importance_for(path, "iq4nl", dtype, progress, importance) if importance else None
+        quant, _ = allocate_for(path, quant, dtype, progress, bpw, imp)
+    else:
+        quant = QuantConfig.of(quant) if quant is not None else None
+        imp = importance_for(path, quant, dtype, progress, importance) if importance else None
 
     def stream(file: Path) -> dict:
         sink = gguf.Stream(file, path, requantize=requantize, check=check, progress=progress)
