@@ -22,10 +22,18 @@ IMATRIX_ROWS = ["q4_0 (llama.cpp Q4_0 rounding)", "llama.cpp Q4_0 --pure +imatri
                 "llama.cpp Q3_K_S (its mix) +imatrix", "moeq q5_0-m", "llama.cpp Q4_K_M (its mix)",
                 "llama.cpp Q4_K_M (its mix) +imatrix", "rotated: moeq iq4nl", "rotated: llama.cpp IQ4_NL --pure"]
 IMPORTANCE_ROWS = ["moeq q4_0-opt", "moeq q4_0-opt +importance", "moeq iq4nl", "moeq iq4nl +importance",
-                   "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-dq", "moeq iq4nl-dq +importance",
-                   "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-m", "moeq iq4nl-m +importance",
+                   "moeq bpw 4.5", "moeq bpw 4.5 +importance", "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-dq",
+                   "moeq iq4nl-dq +importance", "moeq bpw 4.3 +importance", "llama.cpp IQ4_XS --pure +imatrix",
+                   "moeq iq4nl-m", "moeq iq4nl-m +importance", "moeq bpw 4.75 +importance", "moeq bpw 4.9 +importance",
                    "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3", "moeq nl3 +importance", "moeq nl3-m",
-                   "moeq nl3-m +importance"]
+                   "moeq nl3-m +importance", "moeq bpw 4.1 +importance"]
+BPW_ROWS = ["moeq nl3 +importance", "moeq bpw 3.6", "moeq bpw 3.6 +importance", "moeq bpw 3.9",
+            "moeq bpw 3.9 +importance", "moeq nl3-m", "moeq nl3-m +importance", "moeq bpw 4.1", "moeq bpw 4.1 +importance",
+            "moeq iq4nl-dq", "moeq iq4nl-dq +importance", "moeq bpw 4.3", "moeq bpw 4.3 +importance",
+            "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl", "moeq iq4nl +importance", "moeq bpw 4.5",
+            "moeq bpw 4.5 +importance", "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-m", "moeq iq4nl-m +importance",
+            "moeq bpw 4.75", "moeq bpw 4.75 +importance", "moeq bpw 4.9", "moeq bpw 4.9 +importance",
+            "llama.cpp IQ4_XS (its mix) +imatrix"]
 ACCURACY_ROWS = ["moeq q4_0-opt", "llama.cpp Q4_0 --pure", "moeq iq4nl", "llama.cpp IQ4_NL --pure", "moeq iq4nl-dq",
                  "moeq iq4nl-m", "llama.cpp IQ4_NL (its mix)", "moeq nl3-m", "llama.cpp Q3_K_S (its mix)",
                  "llama.cpp Q3_K_M (its mix)",
@@ -174,6 +182,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
           "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
           "accuracy_importance": lambda: accuracy("accuracy_importance.json", IMPORTANCE_ROWS, seconds=True),
+          "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth}
