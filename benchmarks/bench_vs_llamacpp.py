@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def llama_bench(exe: Path, gguf: Path, threads: int, batched: Path | None, batch
                "32", "-ntg", "128", "-npl", ",".join(map(str, batches))]
         if ik:  # no JSON output in the fork: its Markdown rows |PP|TG|B|N_KV|T_PP|S_PP|T_TG|S_TG|T|S|; its flash
             # attention (default on) aborts on several sequences here (GGML_ASSERT(S > 0), iqk_fa_templates.h): off
-            out = subprocess.run(cmd + ["-rtr", "-fa", "off"], capture_output=True, text=True, check=True,
-                                 timeout=3600)
+            with tempfile.TemporaryDirectory() as tmp:  # the fork writes llama.log into its working directory
+                out = subprocess.run(cmd + ["-rtr", "-fa", "off"], capture_output=True, text=True, check=True,
+                                     timeout=3600, cwd=tmp)
             for line in (out.stdout + out.stderr).splitlines():
                 cells = [c.strip() for c in line.strip().strip("|").split("|")]
                 if len(cells) == 10 and cells[0].isdigit():
