@@ -17,13 +17,19 @@ from moeq import native
 from moeq.formats import bf12
 
 UNIT = bf12.UNIT  # K must be a multiple
-MAX_ROWS = 4  # AVX2 / AMX CPUs: past it a GEMM on unpacked blocks wins
+MAX_ROWS = 4  # AVX2 CPUs: past it a GEMM on unpacked blocks wins
+MAX_ROWS_AMX = 8  # AMX: the native gemv 37 / 47 ms at 5 / 8 rows against 47 / 52, the AMX GEMM 49 against 54 at 12
 MAX_ROWS_BF16 = 16  # AVX512-BF16 without AMX: the native gemv 36 / 70 ms at 8 / 16 rows against 78 (Zen 4)
 
 
 def max_rows() -> int:
-    """Rows one native call takes on this CPU (more: blocks unpacked for a GEMM)."""
-    return MAX_ROWS_BF16 if native.has_dpbf16() and not native.has_amx() else MAX_ROWS
+    """Rows one native call takes on this CPU (more: blocks unpacked for a GEMM); the native decode step's head
+    (:mod:`moeq.nn.engine`) takes as many, so its logits are the forward's bit for bit."""
+    if not native.has_dpbf16():
+        return MAX_ROWS
+    return MAX_ROWS_AMX if native.has_amx() else MAX_ROWS_BF16
+
+
 BLOCK_WEIGHTS = 2 << 20  # weights unpacked at a time for many-row forwards (4 MB: stays in L2/L3 for the GEMM)
 _FIELDS = bf12.Bf12._fields
 

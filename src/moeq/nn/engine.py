@@ -26,7 +26,7 @@ from moeq.nn import bf12, decode, finite, packed
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 8  # sequences per native step (model.c's bound); a bf16/bf12 head as many as its native gemv takes on
-# this CPU (decode.head_max_rows, bf12.max_rows: 16 with AVX512-BF16 and no AMX, else 4 or 1), a quantized head what
+# this CPU (decode.head_max_rows, bf12.max_rows: 16 with AVX512-BF16, 8 with AMX, else 4 or 1), a quantized head what
 # its plan allows
 _CONFIG_FREE = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "pad_token_id", "eos_token_id",
                 "bos_token_id", "decoder_start_token_id", "do_sample", "num_beams", "use_cache", "temperature", "top_p",
