@@ -10,7 +10,6 @@ from torch import nn
 
 from moeq.arch import Arch
 from moeq.export.common import expert_pieces, plain_tensors, quantized_modules, write_config
-from moeq.formats import Bnb4Weight, Int8Weight
 from moeq.io.writer import write_shards
 from moeq.convert import module_layout
 from moeq.nn import QuantExperts
@@ -100,8 +99,6 @@ def export(model: nn.Module, out: Path, arch: Arch, layout: str = "transformers5
 
 
 def _state(w, prefix: str) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(w, Bnb4Weight):
-        return [(k, v.contiguous()) for k, v in w.state_dict(prefix).items()]
-    if isinstance(w, Int8Weight):
-        return list(w.state_dict(prefix).items())
-    raise AssertionError(type(w))
+    """The keys transformers + bitsandbytes hold for one weight (its format's own ``state_dict``; SUPPORTS admits
+    only formats that have one)."""
+    return [(k, v.contiguous()) for k, v in w.state_dict(prefix).items()]

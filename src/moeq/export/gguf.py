@@ -25,7 +25,7 @@ from torch import nn
 
 from moeq.arch import GGUF_FAMILIES, Arch, GgufFamily
 from moeq.export.common import expert_pieces, quantized_modules
-from moeq.formats import Bnb4Weight, PackedWeight, RTNWeight
+from moeq.formats import PackedWeight, RTNWeight
 from moeq.formats.grids import GRIDS
 from moeq.nn import QuantExperts, QuantLinear
 from moeq.errors import MoeqError
@@ -116,10 +116,6 @@ def ggml_blocks(w: RTNWeight) -> torch.Tensor:
     return torch.cat([d.unsqueeze(-1).view(torch.uint8), qs], dim=-1).flatten(-2)
 
 
-def _bits(w: PackedWeight) -> int:
-    return 4 if isinstance(w, Bnb4Weight) else getattr(w, "bits", 8)  # LLM.int8: 8
-
-
 def requantize(values: torch.Tensor, qtype: str) -> np.ndarray:
     """llama.cpp's own rounding (gguf.quants) of dequantized fp32 values."""
     gguf = gguf_lib()
@@ -136,7 +132,7 @@ def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str
             return (torch.stack(arrs) if len(arrs) > 1 else arrs[0]).numpy()
         dq = any(getattr(w, "scale_super", None) is not None for w in ws)
         return make, exact.pop(), "exact codes, double-quantized scales rounded to fp16 (2^-11)" if dq else "exact"
-    qtype = "Q4_0" if max(_bits(w) for w in ws) <= 4 else "Q8_0"
+    qtype = "Q4_0" if max(w.bits for w in ws) <= 4 else "Q8_0"
     w0 = ws[0]
     src = f"{type(w0).__name__}({getattr(w0, 'bits', '')}{getattr(w0, 'quant_type', '')})"
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import ClassVar
 
 import torch
 
@@ -49,6 +50,7 @@ class Bnb4Weight(PackedWeight):
     dtype: torch.dtype = torch.bfloat16
 
     format = "bnb4"
+    bits: ClassVar[int] = 4  # per code (RTN: a field): what a requantizing exporter aims at
 
     _META_TYPES = {"quant_type": str, "blocksize": int}
 

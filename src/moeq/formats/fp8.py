@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import torch
 
@@ -78,6 +79,7 @@ class Fp8Weight(PackedWeight):
     shape: tuple[int, ...] = ()
     dtype: torch.dtype = torch.bfloat16
     format = "fp8"
+    bits: ClassVar[int] = 8  # per code (RTN: a field): what a requantizing exporter aims at
     _META_TYPES = {"block": list}
 
     def _problems(self) -> list[str]:

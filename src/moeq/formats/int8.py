@@ -7,6 +7,7 @@ An all-zero row gets ``scb = 0`` and zero codes (bitsandbytes would produce unde
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,7 @@ class Int8Weight(PackedWeight):
     shape: tuple[int, ...] = ()
     dtype: torch.dtype = torch.bfloat16
     format = "int8"
+    bits: ClassVar[int] = 8  # per code (RTN: a field): what a requantizing exporter aims at
 
     def _problems(self) -> list[str]:
         out = expect_tensor(self.weight, "weight", self.shape, (torch.int8,))
