@@ -75,10 +75,19 @@ def test_refuses_what_it_cannot_hold():
         bf12.pack(torch.zeros(4, 128))
 
 
-@pytest.mark.skipif(not native.has_simd(), reason="the bf12 gemv needs AVX512-BF16 or AVX2")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-def test_gemv_equals_the_float64_product(m):
-    w = _hostile(n=300, k=512, seed=2)
+def _kernel(name):
+    if name == "moeq_bf12_gemm_amx" and not native.amx_tiles():
+        pytest.skip("the tile kernel needs AMX and Linux's permission for the tile data (this machine lacks one)")
+    if not native.has_simd():
+        pytest.skip("the bf12 gemv needs AVX512-BF16 or AVX2")
+    return getattr(native.lib(), name)
+
+
+@pytest.mark.parametrize("kernel", ["moeq_bf12_gemv", "moeq_bf12_gemm_amx", "moeq_bf12_matmul"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+def test_gemv_equals_the_float64_product(m, kernel):
+    fn = _kernel(kernel)
+    w = _hostile(n=300, k=512, seed=2)  # 300 rows: the tile kernel's last block of 32 is partial
     w[11, :256], w[11, 256:] = 0.0, 1e-6
     w[11, 17] = 50.0  # the row's sum carried by its exceptions: x is zero at the outlier's column, > 0 at theirs
     p = bf12.pack(w)
@@ -86,7 +95,7 @@ def test_gemv_equals_the_float64_product(m):
     x[:, 17] = 0
     x[:, 256:] = x[:, 256:].abs() + 0.1
     y = torch.empty(m, 300, dtype=torch.bfloat16)
-    assert native.lib().moeq_bf12_gemv(p.describe(), x.data_ptr(), m, y.data_ptr()) == 1
+    assert fn(p.describe(), x.data_ptr(), m, y.data_ptr()) == 1
     ref = x.double() @ w.double().T
     fin = torch.isfinite(ref)
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
@@ -96,7 +105,21 @@ def test_gemv_equals_the_float64_product(m):
     assert ((y.double() - ref).abs() <= tol)[fin].all()
     assert (ref[:, 11].abs() > 4 * tol[:, 11]).all()  # row 11 is all exceptions (and x 0 at its max): a kernel
     # dropping them would give 0 there
-    assert native.lib().moeq_bf12_gemv(p.describe(), x.data_ptr(), 0, y.data_ptr()) == 0
+    assert fn(p.describe(), x.data_ptr(), 0, y.data_ptr()) == 0
+
+
+def test_tile_kernel_gives_each_row_the_same_bits_in_any_batch():
+    fn = _kernel("moeq_bf12_gemm_amx")
+    w = (torch.randn(200, 256, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
+    p = bf12.pack(w)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y16 = torch.empty(16, 200, dtype=torch.bfloat16)
+    assert fn(p.describe(), x.data_ptr(), 16, y16.data_ptr()) == 1
+    for m in (1, 5):
+        ym = torch.empty(m, 200, dtype=torch.bfloat16)
+        assert fn(p.describe(), x.data_ptr(), m, ym.data_ptr()) == 1
+        assert torch.equal(_bits(ym), _bits(y16[:m]))
+    assert fn(p.describe(), x.data_ptr(), 17, y16.data_ptr()) == 0  # past 16 rows: declined, nothing written
 
 
 @pytest.mark.skipif(not native.has_simd(), reason="the bf12 gemv needs AVX512-BF16 or AVX2")

@@ -18,16 +18,25 @@ from moeq.formats import bf12
 
 UNIT = bf12.UNIT  # K must be a multiple
 MAX_ROWS = 4  # AVX2 CPUs: past it a GEMM on unpacked blocks wins
-MAX_ROWS_AMX = 8  # AMX: the native gemv 37 / 47 ms at 5 / 8 rows against 47 / 52, the AMX GEMM 49 against 54 at 12
-MAX_ROWS_BF16 = 16  # AVX512-BF16 without AMX: the native gemv 36 / 70 ms at 8 / 16 rows against 78 (Zen 4)
+MAX_ROWS_AMX = 8  # AMX without the tile kernel: the gemv 37 / 47 ms at 5 / 8 rows against 47 / 52 for the GEMM
+MAX_ROWS_BF16 = 16  # AVX512-BF16 without AMX: the native gemv 36 / 70 ms at 8 / 16 rows against 78 (Zen 4); with AMX
+# tiles from 4 rows the tile kernel (moeq_bf12_gemm_amx): 27-29 ms at 4-16 rows against the GEMM's 49 (Intel SPR)
 
 
 def max_rows() -> int:
     """Rows one native call takes on this CPU (more: blocks unpacked for a GEMM); the native decode step's head
-    (:mod:`moeq.nn.engine`) takes as many, so its logits are the forward's bit for bit."""
+    (:mod:`moeq.nn.engine`) takes as many through the same kernel choice (``moeq_bf12_matmul``), so its logits are the
+    forward's bit for bit."""
     if not native.has_dpbf16():
         return MAX_ROWS
-    return MAX_ROWS_AMX if native.has_amx() else MAX_ROWS_BF16
+    return MAX_ROWS_AMX if native.has_amx() and not native.amx_tiles() else MAX_ROWS_BF16
+
+
+def serves_batches() -> bool:
+    """Whether a bf12 head is the one to keep for batched decode on this CPU: with AMX tiles (the tile kernel: 27-29 ms
+    at 4-16 rows of a 151936 x 2048 head, where torch's bf16 GEMM takes 29 reading 4/3 the bytes); elsewhere a bf16
+    head's gemv wins past :data:`MAX_ROWS` rows (:func:`moeq.nn.decode.head_for_batches`)."""
+    return native.amx_tiles()
 
 
 BLOCK_WEIGHTS = 2 << 20  # weights unpacked at a time for many-row forwards (4 MB: stays in L2/L3 for the GEMM)
@@ -88,7 +97,7 @@ class Bf12Linear(nn.Module):
                 and self.lo.device.type == "cpu" and native.has_simd()):
             xc = x.contiguous()
             y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
-            if native.lib().moeq_bf12_gemv(self.describe(), xc.data_ptr(), rows, y.data_ptr()):
+            if native.lib().moeq_bf12_matmul(self.describe(), xc.data_ptr(), rows, y.data_ptr()):
                 return y
         if self.lo.device.type != "cpu":  # e.g. after model.to("cuda"): unpacked once there, then a plain linear
             dense = self.__dict__.get("_dense")

@@ -14,14 +14,15 @@ log = logging.getLogger(__name__)
 
 def loader(model: str, quant=None, dtype=None, device="cpu", context: int | None = None, batch: int = 1):
     """A function loading ``model`` (anything ``moeq.load`` takes) with its tokenizer, stop ids and context; for
-    batches past the bf12 head's native rows, the head is held as bf16 (``moeq.nn.decode.head_for_batches``)."""
+    batches past the bf12 head's native rows, the head is held as bf16 (``moeq.nn.decode.head_for_batches``) unless the
+    bf12 one serves batches faster here (``moeq.nn.bf12.serves_batches``)."""
     def load():
         import moeq  # noqa: PLC0415
         from moeq.generation import context_length, load_tokenizer, stop_ids  # noqa: PLC0415
         from moeq.nn import bf12, decode  # noqa: PLC0415
 
         m = moeq.load(model, quant=quant, dtype=dtype, progress=False, device=device)
-        if batch > bf12.MAX_ROWS and decode.head_for_batches(m):
+        if batch > bf12.MAX_ROWS and not bf12.serves_batches() and decode.head_for_batches(m):
             log.info("head held as bf16 for batches of up to %d rows", batch)
         tok = load_tokenizer(model)
         ctx = context_length(m)

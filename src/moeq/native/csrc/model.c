@@ -107,7 +107,7 @@ i64 moeq_decode_step(const moeq_model* M, i64 B, const i64* tok, const i64* pos,
     }
     moeq_rmsnorm_bf16(x, M->norm, B, H, M->eps, h);
     if (M->head12) {
-        if (!moeq_bf12_gemv(M->head12, h, B, logits)) goto done;
+        if (!moeq_bf12_matmul(M->head12, h, B, logits)) goto done;
     } else if (M->head) {
         if (!moeq_bf16_gemv(h, B, M->head, M->V, H, logits)) goto done;
     } else {
