@@ -21,12 +21,12 @@
 #include "amx.h"
 #include "rows_avx2.h"
 
-// The tile kernel (moeq_bf12_gemm_amx) runs the head from BF12_AMX_ROWS rows (moeq_bf12_matmul); it unpacks 32 rows
-// by BF12_AMX_KC columns at a time (one 128-column unit: 8 KB, in L1), prefetching each row's next unit (32 rows are
-// 32 streams). On a 151936 x 2048 head, 2 threads, Intel SPR: 27-29 ms at 1-16 rows, the gemv 22 / 25 / 31 / 48 / 67
-// at 1 / 2 / 4 / 8 / 16; whole rows unpacked (128 KB, L2) 33, 256 / 512 / 1024 columns 28-30 / 30 / 32-36, prefetch
-// 512 / 1024 columns ahead 33 / 36.
-enum { BF12_AMX_ROWS = 4, BF12_AMX_KC = 128 };
+// The tile kernel (moeq_bf12_gemm_amx) runs the head from BF12_AMX_ROWS rows (moeq_bf12_matmul); it unpacks a tile of
+// 16 rows by BF12_AMX_KC columns at a time (one 128-column unit: 4 KB, in L1), prefetching each row's next unit. On a
+// 151936 x 2048 head, 2 threads, Intel SPR: 23.5-24.6 ms at 1-16 rows, the gemv 20-21 / 23 / 28-29 / 43-45 / 66-67
+// at 1 / 2 / 4 / 8 / 16. Tried: 32-row blocks 27-29 (64 streams), 256 / 512 columns 24 / 33, no prefetch 34-35,
+// prefetch two units ahead 26, whole rows unpacked into L2 33.
+enum { BF12_AMX_ROWS = 2, BF12_AMX_KC = 128 };
 
 static inline int bf12_pos(int c) {  // c in 0..127 -> byte offset in the unit's lo bytes
     const int d = c & 63;
@@ -316,47 +316,41 @@ int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
 #endif
 }
 
-// y[M, N] = bf16(x[M, K] @ W^T) on the tile unit, for M 1..16: per thread, blocks of 32 rows of W, each unpacked
-// exactly a unit of 128 columns at a time into an L1-resident bf16 buffer whose two weight tiles then multiply the M x
-// rows (as bf16 pairs [K/2][16], zero past M) into tiles that stay on the unit for the whole row. What the gemv spends
-// per x row on dot products (46 ms at 8 rows of a 151936 x 2048 head, against 30 at 4) the tile unit does for all 16
-// at once; the unpacking is the same. fp32 sums in the tile unit's order, rounded once: each row's logits have the
-// same bits for any M. Returns 0 (nothing written) unless the tiles may run (moeq_amx_on) and K % 128 == 0,
-// 1 <= M <= 16; -1 when scratch could not be allocated.
+// y[M, N] = bf16(x[M, K] @ W^T) on the tile unit, for M 1..16: per thread, tiles of 16 rows of W, each unpacked
+// exactly one unit of 128 columns at a time into an L1-resident bf16 buffer (the weight tile's A operand), times the M
+// x rows (bf16 pairs [K/2][16], zero past M) into one accumulator tile that stays on the unit for the whole row. What
+// the gemv spends per x row on dot products (45 ms at 8 rows of a 151936 x 2048 head, against 29 at 4) the tile unit
+// does for all 16 at once; the unpacking is the same. fp32 sums in the tile unit's order, rounded once: each row's
+// logits have the same bits for any M. Returns 0 (nothing written) unless the tiles may run (moeq_amx_on) and
+// K % 128 == 0, 1 <= M <= 16; -1 when scratch could not be allocated.
 int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
 #if defined(MOEQ_AMX) && defined(__AVX512BW__)
-    const i64 N = w->N, K = w->K, NB = (N + 31) / 32;
-    if (!moeq_amx_on() || K % 128 || M < 1 || M > 16) return 0;
+    enum { R = 16, KC = BF12_AMX_KC };
+    const i64 N = w->N, K = w->K, NB = (N + R - 1) / R;
+    if (!moeq_amx_on() || K % KC || M < 1 || M > 16) return 0;
     uint32_t* xt = (uint32_t*)malloc((size_t)(K / 2) * 16 * sizeof(uint32_t));
     if (!xt) return -1;
     for (i64 kp = 0; kp < K / 2; kp++)
         for (i64 p = 0; p < 16; p++)
             xt[kp * 16 + p] = p < M ? (uint32_t)x[p * K + 2 * kp] | (uint32_t)x[p * K + 2 * kp + 1] << 16 : 0;
-    int failed = 0;
-    const i64 KC = BF12_AMX_KC;
 #pragma omp parallel
     {
-        uint16_t* wt = (uint16_t*)malloc((size_t)(32 * KC) * sizeof(uint16_t));
-        float yt[32 * 16];
-        if (!wt) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        if (wt) amx_configure();
+        uint16_t wt[R * KC];
+        float yt[R * 16];
+        amx_configure();
 #pragma omp for schedule(static)
         for (i64 b = 0; b < NB; b++) {
-            if (!wt) continue;
-            const i64 n0 = b * 32, r = N - n0 < 32 ? N - n0 : 32;
-            if (r < 32) memset(wt + r * KC, 0, (size_t)((32 - r) * KC) * sizeof(uint16_t));
+            const i64 n0 = b * R, r = N - n0 < R ? N - n0 : R;
+            if (r < R) memset(wt + r * KC, 0, sizeof(uint16_t) * (size_t)((R - r) * KC));
             _tile_zero(0);
-            _tile_zero(2);
-            for (i64 k0 = 0; k0 < K; k0 += KC) {  // 32 rows x KC columns unpacked into L1, then their products
+            for (i64 k0 = 0; k0 < K; k0 += KC) {
                 for (i64 i = 0; i < r; i++) {
-                    if (k0 + KC < K) {  // this row's next unit on its way
+                    if (k0 + KC < K) {  // the row's next unit on its way (16 rows are 32 streams)
                         const uint8_t* L = w->lo + (n0 + i) * K + k0 + KC;
                         const uint8_t* Hn = w->hi + (n0 + i) * (K / 2) + (k0 + KC) / 2;
-                        for (i64 c = 0; c < KC; c += 64) _mm_prefetch((const char*)(L + c), _MM_HINT_T0);
-                        for (i64 c = 0; c < KC / 2; c += 64) _mm_prefetch((const char*)(Hn + c), _MM_HINT_T0);
+                        _mm_prefetch((const char*)L, _MM_HINT_T0);
+                        _mm_prefetch((const char*)(L + 64), _MM_HINT_T0);
+                        _mm_prefetch((const char*)Hn, _MM_HINT_T0);
                     }
                     bf12_unpack_cols(w, n0 + i, k0, KC, wt + i * KC);
                 }
@@ -364,20 +358,16 @@ int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y
                     _tile_loadd(6, xt + ((k0 + k) / 2) * 16, 64);
                     _tile_loadd(4, wt + k, KC * 2);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(5, wt + 16 * KC + k, KC * 2);
-                    _tile_dpbf16ps(2, 5, 6);
                 }
             }
             _tile_stored(0, yt, 64);
-            _tile_stored(2, yt + 256, 64);
             for (i64 i = 0; i < r; i++)
                 for (i64 m = 0; m < M; m++) y[m * N + n0 + i] = f2bf(yt[i * 16 + m]);
         }
-        if (wt) _tile_release();
-        free(wt);
+        _tile_release();
     }
     free(xt);
-    return failed ? -1 : 1;
+    return 1;
 #else
     (void)w; (void)x; (void)M; (void)y;
     return 0;
