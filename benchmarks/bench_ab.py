@@ -1,5 +1,5 @@
 """Side-by-side speed of two source trees on the ``moeq bench`` model (Qwen3-30B-A3B's layer shapes, 4 layers):
-decode b1/b4 and prefill 512 with ``q4_0`` and ``rtn-int4``, each tree in its own process, alternating over rounds —
+decode b1/b4/b8 and prefill 512 with ``q4_0`` and ``rtn-int4``, each tree in its own process, alternating over rounds —
 the check that a refactor left speed unchanged.
 
     python benchmarks/bench_ab.py --trees /path/to/old/src src --rounds 2 --out benchmarks/results/refactor_ab.json
@@ -20,6 +20,7 @@ from moeq import bench
 m = moeq.load(sys.argv[1], sys.argv[2], progress=False)
 out = {"decode_b1_tps": bench.decode_tps(m, 1, prompt=32, new=64, reps=2),
        "decode_b4_tps": bench.decode_tps(m, 4, prompt=32, new=64, reps=2),
+       "decode_b8_tps": bench.decode_tps(m, 8, prompt=32, new=64, reps=2),
        "prefill512_tps": 512 / min(bench.prefill_seconds(m, 512, False) for _ in range(2))}
 print(json.dumps(out))
 """
@@ -30,12 +31,13 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", required=True)
     ap.add_argument("--methods", nargs="+", default=["q4_0", "rtn-int4"])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None, help="the bench checkpoint (default: written by moeq.bench, cached)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.trees[-1]).resolve()))
     from moeq import bench  # noqa: PLC0415
 
-    ckpt = bench.write_model(Path.home() / ".cache" / "moeq-bench" / "ab-4L")
+    ckpt = Path(args.model) if args.model else bench.write_model(Path.home() / ".cache" / "moeq-bench" / "ab-4L")
     rows = []
     for r in range(args.rounds):
         for method in args.methods:

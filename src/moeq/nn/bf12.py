@@ -20,7 +20,7 @@ UNIT = bf12.UNIT  # K must be a multiple
 MAX_ROWS = 4  # AVX2 CPUs: past it a GEMM on unpacked blocks wins
 MAX_ROWS_AMX = 8  # AMX without the tile kernel: the gemv 37 / 47 ms at 5 / 8 rows against 47 / 52 for the GEMM
 MAX_ROWS_BF16 = 16  # AVX512-BF16 without AMX: the native gemv 36 / 70 ms at 8 / 16 rows against 78 (Zen 4); with AMX
-# tiles from 2 rows the tile kernel (moeq_bf12_gemm_amx): 23-24 ms at 2-16 rows against the GEMM's 49 (Intel SPR)
+# tiles from 6 rows the tile kernel (moeq_bf12_gemm_amx): 26 ms at 5-16 rows against the GEMM's 49 (Intel SPR)
 
 
 def max_rows() -> int:
@@ -33,8 +33,8 @@ def max_rows() -> int:
 
 
 def serves_batches() -> bool:
-    """Whether a bf12 head is the one to keep for batched decode on this CPU: with AMX tiles (the tile kernel: 23-24 ms
-    at 2-16 rows of a 151936 x 2048 head, where torch's bf16 GEMM takes 29 reading 4/3 the bytes); elsewhere a bf16
+    """Whether a bf12 head is the one to keep for batched decode on this CPU: with AMX tiles (the tile kernel: 24-26 ms
+    at 4-16 rows of a 151936 x 2048 head, where torch's bf16 GEMM takes 29 reading 4/3 the bytes); elsewhere a bf16
     head's gemv wins past :data:`MAX_ROWS` rows (:func:`moeq.nn.decode.head_for_batches`)."""
     return native.amx_tiles()
 

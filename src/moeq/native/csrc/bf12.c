@@ -21,12 +21,15 @@
 #include "amx.h"
 #include "rows_avx2.h"
 
-// The tile kernel (moeq_bf12_gemm_amx) runs the head from BF12_AMX_ROWS rows (moeq_bf12_matmul); it unpacks a tile of
-// 16 rows by BF12_AMX_KC columns at a time (one 128-column unit: 4 KB, in L1), prefetching each row's next unit. On a
-// 151936 x 2048 head, 2 threads, Intel SPR: 23.5-24.6 ms at 1-16 rows, the gemv 20-21 / 23 / 28-29 / 43-45 / 66-67
-// at 1 / 2 / 4 / 8 / 16. Tried: 32-row blocks 27-29 (64 streams), 256 / 512 columns 24 / 33, no prefetch 34-35,
-// prefetch two units ahead 26, whole rows unpacked into L2 33.
-enum { BF12_AMX_ROWS = 2, BF12_AMX_KC = 128 };
+// The gemv prefetches BF12_PF bytes (two rows of K = 2048) ahead in each of its streams: on a 151936 x 2048 head, 2
+// threads, Intel SPR, 17-18 / 18-19 / 20-21 / 35 ms at 1 / 2 / 4 / 8 rows against 20-21 / 23-25 / 29-33 / 45 without
+// (1024 bytes ahead: 18 / 19 / 21 / 34). The tile kernel (moeq_bf12_gemm_amx) runs the head from BF12_AMX_ROWS rows
+// (moeq_bf12_matmul; 26 ms at 5-16 rows against the gemv's 25 / 28 / 35 / 71 at 5 / 6 / 8 / 16); it unpacks a tile
+// of 16 rows by BF12_AMX_KC columns at a time (one 128-column unit: 4 KB, in L1), prefetching each row's next unit.
+// Tried for it: 32-row blocks 27-29 ms (64 streams), 256 / 512 columns 24 / 33, no prefetch 34-35, prefetch two
+// units ahead 26, whole rows unpacked into L2 33 (against 23.5-24.6 for this form, measured before the gemv's
+// prefetch).
+enum { BF12_AMX_ROWS = 6, BF12_AMX_KC = 128, BF12_PF = 4096 };
 
 static inline int bf12_pos(int c) {  // c in 0..127 -> byte offset in the unit's lo bytes
     const int d = c & 63;
@@ -213,6 +216,9 @@ static inline __attribute__((always_inline)) void bf12_row512(const moeq_bf12* w
     for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm512_setzero_ps();
     for (i64 u = 0; u < K; u += 128) {
         __m512i v[4];
+        _mm_prefetch((const char*)(L + u + BF12_PF), _MM_HINT_T0);
+        _mm_prefetch((const char*)(L + u + BF12_PF + 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(Hn + u / 2 + BF12_PF / 2), _MM_HINT_T0);
         bf12_unit512(L + u, Hn + u / 2, T, v);
         for (i64 m = 0; m < M; m++) {
             const uint16_t* xm = x + m * K + u;
