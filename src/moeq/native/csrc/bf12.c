@@ -23,7 +23,8 @@
 
 // The gemv prefetches BF12_PF bytes (two rows of K = 2048) ahead in each of its streams: on a 151936 x 2048 head, 2
 // threads, Intel SPR, 17-18 / 18-19 / 20-21 / 35 ms at 1 / 2 / 4 / 8 rows against 20-21 / 23-25 / 29-33 / 45 without
-// (1024 bytes ahead: 18 / 19 / 21 / 34). The tile kernel (moeq_bf12_gemm_amx) runs the head from BF12_AMX_ROWS rows
+// (1024 bytes ahead: 18 / 19 / 21 / 34); the AVX2 build on the same CPU 24.4 / 28.8 / 39 -> 18.2 / 19.4 / 26-28 at 1 / 2 / 4
+// rows. The tile kernel (moeq_bf12_gemm_amx) runs the head from BF12_AMX_ROWS rows
 // (moeq_bf12_matmul; 26 ms at 5-16 rows against the gemv's 25 / 28 / 35 / 71 at 5 / 6 / 8 / 16); it unpacks a tile
 // of 16 rows by BF12_AMX_KC columns at a time (one 128-column unit: 4 KB, in L1), prefetching each row's next unit.
 // Tried for it: 32-row blocks 27-29 ms (64 streams), 256 / 512 columns 24 / 33, no prefetch 34-35, prefetch two
@@ -243,6 +244,9 @@ static inline float bf12_row256_1(const moeq_bf12* w, i64 n, const uint16_t* x, 
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
     for (i64 u = 0; u < K; u += 128) {
         __m256i v[8];
+        _mm_prefetch((const char*)(L + u + BF12_PF), _MM_HINT_T0);
+        _mm_prefetch((const char*)(L + u + BF12_PF + 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(Hn + u / 2 + BF12_PF / 2), _MM_HINT_T0);
         bf12_unit256(L + u, Hn + u / 2, T, v);
         for (int j = 0; j < 8; j += 2) {
             const float* xj = xs + u + 16 * j;
@@ -269,6 +273,9 @@ static inline __attribute__((always_inline)) void bf12_row256(const moeq_bf12* w
     for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm256_setzero_ps();
     for (i64 u = 0; u < K; u += 128) {
         __m256i v[8];
+        _mm_prefetch((const char*)(L + u + BF12_PF), _MM_HINT_T0);
+        _mm_prefetch((const char*)(L + u + BF12_PF + 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(Hn + u / 2 + BF12_PF / 2), _MM_HINT_T0);
         bf12_unit256(L + u, Hn + u / 2, T, v);
         for (int j = 0; j < 8; j++) {
             const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v[j], 16));
