@@ -34,7 +34,7 @@ def max_rows() -> int:
 
 def serves_batches() -> bool:
     """Whether a bf12 head is the one to keep for batched decode on this CPU: with AMX tiles (the tile kernel: 24-26 ms
-    at 4-16 rows of a 151936 x 2048 head, where torch's bf16 GEMM takes 29 reading 4/3 the bytes); elsewhere a bf16
+    at 6-16 rows of a 151936 x 2048 head, where torch's bf16 GEMM takes 29 reading 4/3 the bytes); elsewhere a bf16
     head's gemv wins past :data:`MAX_ROWS` rows (:func:`moeq.nn.decode.head_for_batches`)."""
     return native.amx_tiles()
 

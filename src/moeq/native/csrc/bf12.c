@@ -145,58 +145,51 @@ static inline __m256i bf12_table256(int b) {  // entries 0 and 8 of each lane (t
 }
 #endif
 
-// Row n back to bf16, exactly: o [K].
-static inline void bf12_unpack_row(const moeq_bf12* w, i64 n, uint16_t* o) {
+// Columns k0 .. k0+kc-1 of row n (k0, kc multiples of 128) back to bf16, exactly: o [kc].
+static inline void bf12_unpack_cols(const moeq_bf12* w, i64 n, i64 k0, i64 kc, uint16_t* o) {
     const i64 K = w->K;
     const uint8_t* L = w->lo + n * K;
     const uint8_t* Hn = w->hi + n * (K / 2);
     const int b = w->base[n];
 #if defined(__AVX512BW__)
     const __m512i T = bf12_table512(b);
-    for (i64 u = 0; u < K; u += 128) {
-        __m512i v[4];
-        bf12_unit512(L + u, Hn + u / 2, T, v);
-        for (int j = 0; j < 4; j++) _mm512_storeu_si512(o + u + 32 * j, v[j]);
-    }
-#elif defined(__AVX2__)
-    const __m256i T = bf12_table256(b);
-    for (i64 u = 0; u < K; u += 128) {
-        __m256i v[8];
-        bf12_unit256(L + u, Hn + u / 2, T, v);
-        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i*)(o + u + 16 * j), v[j]);
-    }
-#else
-    for (i64 u = 0; u < K; u += 128)
-        for (int c = 0; c < 128; c++) {
-            const int p = bf12_pos(c);
-            const int nib = (Hn[u / 2 + (p & 63)] >> ((p >> 6) * 4)) & 15, code = nib & 7;
-            o[u + c] = (uint16_t)((((nib >> 3) << 7 | (code ? b + code : 0)) << 8) | L[u + p]);
-        }
-#endif
-    for (i64 i = w->xptr[n]; i < w->xptr[n + 1]; i++) o[w->xcol[i]] = w->xval[i];
-}
-
-#if defined(__AVX512BW__)
-// Columns k0 .. k0+kc-1 of row n (k0, kc multiples of 128) back to bf16, exactly: o [kc].
-static inline void bf12_unpack_cols(const moeq_bf12* w, i64 n, i64 k0, i64 kc, uint16_t* o) {
-    const i64 K = w->K;
-    const uint8_t* L = w->lo + n * K;
-    const uint8_t* Hn = w->hi + n * (K / 2);
-    const __m512i T = bf12_table512(w->base[n]);
     for (i64 u = k0; u < k0 + kc; u += 128) {
         __m512i v[4];
         bf12_unit512(L + u, Hn + u / 2, T, v);
         for (int j = 0; j < 4; j++) _mm512_storeu_si512(o + (u - k0) + 32 * j, v[j]);
     }
+#elif defined(__AVX2__)
+    const __m256i T = bf12_table256(b);
+    for (i64 u = k0; u < k0 + kc; u += 128) {
+        __m256i v[8];
+        bf12_unit256(L + u, Hn + u / 2, T, v);
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i*)(o + (u - k0) + 16 * j), v[j]);
+    }
+#else
+    for (i64 u = k0; u < k0 + kc; u += 128)
+        for (int c = 0; c < 128; c++) {
+            const int p = bf12_pos(c);
+            const int nib = (Hn[u / 2 + (p & 63)] >> ((p >> 6) * 4)) & 15, code = nib & 7;
+            o[u - k0 + c] = (uint16_t)((((nib >> 3) << 7 | (code ? b + code : 0)) << 8) | L[u + p]);
+        }
+#endif
     for (i64 i = w->xptr[n]; i < w->xptr[n + 1]; i++)
         if (w->xcol[i] >= k0 && w->xcol[i] < k0 + kc) o[w->xcol[i] - k0] = w->xval[i];
+}
+
+#if defined(__AVX512BW__) || defined(__AVX2__)
+// Column u's unit of a row's two streams (its two cache lines of low bytes, one of nibbles) on its way.
+static inline __attribute__((always_inline)) void bf12_prefetch_unit(const uint8_t* L, const uint8_t* Hn, i64 u) {
+    _mm_prefetch((const char*)(L + u), _MM_HINT_T0);
+    _mm_prefetch((const char*)(L + u + 64), _MM_HINT_T0);
+    _mm_prefetch((const char*)(Hn + u / 2), _MM_HINT_T0);
 }
 #endif
 
 // Rows n0 .. n1-1 back to bf16, exactly: out [(n1 - n0), K].
 void moeq_bf12_unpack(const moeq_bf12* w, i64 n0, i64 n1, uint16_t* out) {
 #pragma omp parallel for schedule(static) if ((n1 - n0) * w->K >= (1 << 18))
-    for (i64 n = n0; n < n1; n++) bf12_unpack_row(w, n, out + (n - n0) * w->K);
+    for (i64 n = n0; n < n1; n++) bf12_unpack_cols(w, n, 0, w->K, out + (n - n0) * w->K);
 }
 
 static inline float bf12_exceptions_dot(const moeq_bf12* w, i64 n, const uint16_t* x) {
@@ -217,9 +210,7 @@ static inline __attribute__((always_inline)) void bf12_row512(const moeq_bf12* w
     for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm512_setzero_ps();
     for (i64 u = 0; u < K; u += 128) {
         __m512i v[4];
-        _mm_prefetch((const char*)(L + u + BF12_PF), _MM_HINT_T0);
-        _mm_prefetch((const char*)(L + u + BF12_PF + 64), _MM_HINT_T0);
-        _mm_prefetch((const char*)(Hn + u / 2 + BF12_PF / 2), _MM_HINT_T0);
+        bf12_prefetch_unit(L, Hn, u + BF12_PF);
         bf12_unit512(L + u, Hn + u / 2, T, v);
         for (i64 m = 0; m < M; m++) {
             const uint16_t* xm = x + m * K + u;
@@ -244,9 +235,7 @@ static inline float bf12_row256_1(const moeq_bf12* w, i64 n, const uint16_t* x, 
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
     for (i64 u = 0; u < K; u += 128) {
         __m256i v[8];
-        _mm_prefetch((const char*)(L + u + BF12_PF), _MM_HINT_T0);
-        _mm_prefetch((const char*)(L + u + BF12_PF + 64), _MM_HINT_T0);
-        _mm_prefetch((const char*)(Hn + u / 2 + BF12_PF / 2), _MM_HINT_T0);
+        bf12_prefetch_unit(L, Hn, u + BF12_PF);
         bf12_unit256(L + u, Hn + u / 2, T, v);
         for (int j = 0; j < 8; j += 2) {
             const float* xj = xs + u + 16 * j;
@@ -273,9 +262,7 @@ static inline __attribute__((always_inline)) void bf12_row256(const moeq_bf12* w
     for (i64 m = 0; m < M; m++) a[m] = c[m] = _mm256_setzero_ps();
     for (i64 u = 0; u < K; u += 128) {
         __m256i v[8];
-        _mm_prefetch((const char*)(L + u + BF12_PF), _MM_HINT_T0);
-        _mm_prefetch((const char*)(L + u + BF12_PF + 64), _MM_HINT_T0);
-        _mm_prefetch((const char*)(Hn + u / 2 + BF12_PF / 2), _MM_HINT_T0);
+        bf12_prefetch_unit(L, Hn, u + BF12_PF);
         bf12_unit256(L + u, Hn + u / 2, T, v);
         for (int j = 0; j < 8; j++) {
             const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v[j], 16));
@@ -358,13 +345,8 @@ int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y
             _tile_zero(0);
             for (i64 k0 = 0; k0 < K; k0 += KC) {
                 for (i64 i = 0; i < r; i++) {
-                    if (k0 + KC < K) {  // the row's next unit on its way (16 rows are 32 streams)
-                        const uint8_t* L = w->lo + (n0 + i) * K + k0 + KC;
-                        const uint8_t* Hn = w->hi + (n0 + i) * (K / 2) + (k0 + KC) / 2;
-                        _mm_prefetch((const char*)L, _MM_HINT_T0);
-                        _mm_prefetch((const char*)(L + 64), _MM_HINT_T0);
-                        _mm_prefetch((const char*)Hn, _MM_HINT_T0);
-                    }
+                    if (k0 + KC < K)  // the row's next unit on its way (16 rows are 32 streams)
+                        bf12_prefetch_unit(w->lo + (n0 + i) * K, w->hi + (n0 + i) * (K / 2), k0 + KC);
                     bf12_unpack_cols(w, n0 + i, k0, KC, wt + i * KC);
                 }
                 for (i64 k = 0; k < KC; k += 32) {

@@ -44,7 +44,6 @@ int moeq_amx_ready(void) {
 void moeq_set_amx(int on) { amx_wanted = on != 0; }
 
 int moeq_amx_on(void) { return amx_wanted && amx_state == 1; }
-static inline int amx_on(void) { return moeq_amx_on(); }
 
 #if defined(__AVX512BF16__)
 static inline int n_threads(void) {
@@ -352,7 +351,7 @@ int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16
     }
     const i64 Pp = ((pmax < CHUNK ? pmax : CHUNK) + 15) & ~(i64)15, KM = H > I ? H : I;
     const i64 per = (H / 2 + 2 * I + I / 2 + H) * Pp + TILE_R * KM + 4 * KM + 16;  // floats per thread
-    const int nt = n_threads(), amx = amx_on() && H % 32 == 0 && I % 32 == 0;
+    const int nt = n_threads(), amx = moeq_amx_on() && H % 32 == 0 && I % 32 == 0;
     float* scratch = (float*)malloc((size_t)(nt * per) * sizeof(float));
     float* extra = nt > 1 ? (float*)calloc((size_t)((nt - 1) * T * H), sizeof(float)) : NULL;
     if (!scratch || (nt > 1 && !extra)) {
