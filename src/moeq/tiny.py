@@ -244,7 +244,7 @@ def make_mxfp4_checkpoint(out: str | os.PathLike, **kw) -> Path:
             q = quantize_mx(w)
             e, n, k = w.shape
             new[key + "_blocks"] = q.qdata.reshape(e, n, k // 32, 16).contiguous()
-            new[key + "_scales"] = (torch.frexp(q.scale.float())[1] + 127).to(torch.uint8).contiguous()
+            new[key + "_scales"] = q.scale.contiguous()  # E8M0 bytes
         else:
             new[key] = t
     save_file(new, str(f), metadata={"format": "pt"})

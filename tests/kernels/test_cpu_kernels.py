@@ -11,7 +11,7 @@ CONFIGS = [RTN(4, 128), RTN(4, 32), RTN(8, 64), RTN(4, 128, symmetric=False), RT
            RTN(4, 32, grid="iq4nl", search=3), RTN(4, 64, grid="iq4nl"), RTN(4, 32, grid="signed", search=2),
            RTN(5, 32, grid="signed", search=3), RTN(5, 128), RTN(4, 32, grid="iq4nl", search=2, double_quant=True),
            RTN(3, 16, grid="nl3", search=2, double_quant=True), RTN(3, 64, grid="nl3"), RTN(4, 16, grid="iq4nl"),
-           BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, True), Int8()]
+           RTN(4, 32, grid="mxfp4"), BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, True), Int8()]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())

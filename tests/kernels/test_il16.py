@@ -24,6 +24,7 @@ FORMATS = {
     "rtn-int4-g128": dict(bits=4, group_size=128, grid="vllm"),
     "iq4nl-g16": dict(bits=4, group_size=16, grid="iq4nl"),
     "iq4nl-dq": dict(bits=4, group_size=32, grid="iq4nl", double_quant=True),
+    "mxfp4": dict(bits=4, group_size=32, grid="mxfp4"),  # E8M0 scale bytes
 }
 
 

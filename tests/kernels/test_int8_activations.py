@@ -16,7 +16,7 @@ from moeq.kernels import cpu_ops, describe, moe_cpu, plans
 pytestmark = pytest.mark.skipif(not native.has_i8_dot(), reason="the int8-activation kernels need an AVX2 build")
 
 INT8_CFGS = [RTN(4, 32, grid="signed"), RTN(4, 32), RTN(4, 64), RTN(4, 128), RTN(4, 32, grid="iq4nl", search=2),
-             RTN(4, 32, grid="iq4nl", search=2, double_quant=True)]
+             RTN(4, 32, grid="iq4nl", search=2, double_quant=True), RTN(4, 32, grid="mxfp4")]
 VNNI = native.i8_level() >= 2  # AVX512-VNNI builds also take 8-bit symmetric weights (Q8_0)
 if VNNI:
     INT8_CFGS += [RTN(8, 32, grid="signed"), RTN(8, 32), RTN(8, 128)]

@@ -4,6 +4,7 @@ moeq.tiny.make_mxfp4_checkpoint after gpt-oss' published layout) loaded into it 
 weights transformers' own MXFP4 dequantization gives."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import gguf
@@ -17,6 +18,9 @@ import moeq
 from moeq.config import METHODS
 from moeq.export.gguf import ggml_blocks
 from moeq.formats import RTNWeight
+from moeq.formats.codebooks import MXFP4
+from moeq.formats.packing import pack
+from moeq.nn import QuantLinear
 from moeq.tiny import make_mxfp4_checkpoint
 
 
@@ -31,15 +35,61 @@ def test_mxfp4_matches_llama_cpp_reference(shape):
     ref = gguf.quants.dequantize(ref_bytes, gguf.GGMLQuantizationType.MXFP4).reshape(shape)
     assert np.array_equal(q.dequantize(torch.float32).numpy(), ref)
     assert np.array_equal(q.dequantize_reference(torch.float32).numpy(), ref)
-    assert q.bits_per_weight == 4.5
+    assert q.bits_per_weight == 4.25 and q.scale.dtype == torch.uint8  # E8M0 bytes, as llama.cpp's MXFP4 blocks
 
 
 def test_mxfp4_scales_must_be_e8m0():
     q = METHODS["mxfp4"].quantize(torch.randn(16, 64).bfloat16() * 0.1, "w")
-    bad = RTNWeight(qdata=q.qdata, scale=q.scale * 1.5, zero=None, bits=4, group_size=32, grid="mxfp4",
+    bad = RTNWeight(qdata=q.qdata, scale=q.group_scales() * 1.5, zero=None, bits=4, group_size=32, grid="mxfp4",
                     shape=q.shape, dtype=q.dtype)
     with pytest.raises(moeq.MoeqError, match="powers of two"):
         bad.validate("w")
+    nan = q.scale.clone()
+    nan[3, 1] = 255  # E8M0's NaN
+    with pytest.raises(moeq.MoeqError, match="255"):
+        dataclasses.replace(q, scale=nan).validate("w")
+    with pytest.raises(moeq.MoeqError, match="scale"):  # exponent bytes are for the E8M0 grid only
+        dataclasses.replace(q, grid="iq4nl").validate("w")
+
+
+def test_every_e8m0_byte_decodes_exactly():
+    """Every exponent an fp32 weight can hold, 0..252 (2^-128 .. 2^124; the two smallest are fp32 subnormals; 253
+    and 254 overflow times the table's 12 and are refused), through the native dequantizer and the torch reference,
+    against 2^(e - 128) computed in float64; a saved bf16 power-of-two scale (moeq checkpoints before the bytes)
+    gives the same weights."""
+    e = torch.arange(253, dtype=torch.uint8)
+    k = 253 * 32
+    codes = torch.randint(0, 16, (1, k), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    q = RTNWeight(qdata=pack(codes, 4), scale=e[None], zero=None, bits=4, group_size=32, grid="mxfp4", shape=(1, k),
+                  dtype=torch.float32).validate("w")
+    want = (torch.tensor(MXFP4, dtype=torch.float64)[codes.long()].reshape(253, 32)
+            * torch.pow(2.0, e.double() - 128)[:, None]).reshape(1, k)
+    assert torch.equal(q.group_scales().double(), torch.pow(2.0, e.double() - 128)[None])
+    assert torch.equal(q.dequantize(torch.float32).double(), want)
+    assert torch.equal(q.dequantize_reference(torch.float32).double(), want)
+    legacy = dataclasses.replace(q, scale=q.group_scales().to(torch.bfloat16)).validate("w")
+    assert legacy.scale_kind == 1 and torch.equal(legacy.dequantize(torch.float32), q.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
+def test_e8m0_bytes_through_every_linear_path(rows):
+    """A linear whose groups span exponents 2^-32 .. 2^30 (the vector loads' lanes each hold another byte): the
+    native forward (E8M0 bytes) equals the same weight with bf16 scales (the kernels' other scale kind) and the
+    float64 product."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 64, 512
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    e = torch.randint(96, 159, (n, k // 32), generator=g, dtype=torch.uint8)
+    q = RTNWeight(qdata=pack(codes, 4), scale=e, zero=None, bits=4, group_size=32, grid="mxfp4", shape=(n, k),
+                  dtype=torch.bfloat16).validate("w")
+    legacy = dataclasses.replace(q, scale=q.group_scales().to(torch.bfloat16))
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    ref = x.double() @ q.dequantize_reference(torch.float64).t()
+    with torch.no_grad():
+        y, y_legacy = QuantLinear(q)(x), QuantLinear(legacy)(x)
+    assert torch.equal(y, y_legacy)
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 0.01, err
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from moeq.arch import GGUF_FAMILIES, Arch, GgufFamily
 from moeq.export.common import expert_pieces, quantized_modules
 from moeq.formats import PackedWeight, RTNWeight
 from moeq.formats.grids import GRIDS
+from moeq.formats.rtn import e8m0_bytes
 from moeq.nn import QuantExperts, QuantLinear
 from moeq.errors import MoeqError
 from moeq.version import __version__
@@ -100,7 +101,7 @@ def ggml_blocks(w: RTNWeight) -> torch.Tensor:
     (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do; MXFP4 too, after a
     one-byte E8M0 exponent instead of the fp16 scale)."""
     if GRIDS[w.grid].ggml_head == "e8m0":
-        e = (torch.frexp(w.scale.float())[1] + 127).to(torch.uint8)  # scale = 2^(e - 128) = 0.5 * 2^(frexp exp)
+        e = w.scale if w.scale.dtype == torch.uint8 else e8m0_bytes(w.scale)  # scale = 2^(e - 128)
         codes = w.codes().unflatten(-1, (-1, 32))
         return torch.cat([e.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1).flatten(-2)
     d = w.group_scales().to(torch.float16)  # exact for bf16 scales ggml_type accepts; double-quantized: rounded

@@ -62,12 +62,27 @@ MX_GROUP = GRID_TABLE["mxfp4"].group_size  # OCP MX blocks; each scale 2^(e - 12
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
 
 
+def e8m0_scales(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes (uint8, 0..254) as their fp32 scales ``2^(e - 128)``, exactly (2^-127, 2^-128: subnormal)."""
+    i = e.to(torch.int32)
+    bits = torch.where(i >= 2, (i - 1) << 23, torch.bitwise_left_shift(torch.full_like(i, 0x00200000), i.clamp(max=1)))
+    return bits.view(torch.float32)
+
+
+def e8m0_bytes(d: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales ``2^(e - 128)`` (validated) as their E8M0 exponent bytes ``e``."""
+    return (torch.frexp(d.float())[1] + 127).to(torch.uint8)  # d = 0.5 * 2^(frexp exponent)
+
+
 def mx_scale_problems(scale: torch.Tensor, group_size: int) -> list[str]:
-    """An mxfp4 weight's scales must be what an E8M0 byte encodes: 2^(e - 128) for e in 0..254, at group 32."""
+    """An mxfp4 weight's scales must be what an E8M0 byte encodes: 2^(e - 128) for e in 0..254, at group 32 — held
+    as those bytes (uint8), or as the powers of two themselves (float: moeq checkpoints saved before the bytes)."""
     if group_size != MX_GROUP:
         return [f"grid 'mxfp4' has group_size {MX_GROUP}, not {group_size}"]
     if not scale.numel():
         return []
+    if scale.dtype == torch.uint8:
+        return ["mxfp4 scale holds E8M0 exponent 255 (NaN)"] if int(scale.max()) == 255 else []
     mant, exp = torch.frexp(scale.float())
     if not bool(((mant == 0.5) & (exp >= -127) & (exp <= 127)).all()):
         return ["mxfp4 scales must be powers of two 2^-128 .. 2^126 (E8M0 exponents 0..254)"]
@@ -77,7 +92,7 @@ def mx_scale_problems(scale: torch.Tensor, group_size: int) -> list[str]:
 def quantize_mx(w: torch.Tensor, name: str | None = None) -> RTNWeight:
     """OCP MXFP4 as llama.cpp's ``quantize_row_mxfp4_ref`` (gguf-py ``MXFP4.quantize_blocks``) rounds it: per group
     of 32, ``e = floor(log2(amax)) - 2 + 127`` (0 for an all-zero group; clamped to 0..254), scale ``d = 2^(e - 128)``
-    and each code the first nearest entry of the doubled E2M1 table. Scales stored bf16 (exact)."""
+    and each code the first nearest entry of the doubled E2M1 table. Scales stored as their E8M0 bytes ``e``."""
     check_finite(w, name)
     lead, k = w.shape[:-1], w.shape[-1]
     g = w.reshape(-1, k // MX_GROUP, MX_GROUP).float()
@@ -90,7 +105,7 @@ def quantize_mx(w: torch.Tensor, name: str | None = None) -> RTNWeight:
     for a, b in row_chunks(g.shape[0], k):
         err = (d[a:b, :, None, None] * table - g[a:b, ..., None]).abs()
         codes[a:b] = err.argmin(-1).to(torch.uint8)  # first minimum, as numpy's argmin in gguf-py
-    return RTNWeight(qdata=pack(codes.reshape(*lead, k), 4), scale=d.to(torch.bfloat16).reshape(*lead, k // MX_GROUP),
+    return RTNWeight(qdata=pack(codes.reshape(*lead, k), 4), scale=e.to(torch.uint8).reshape(*lead, k // MX_GROUP),
                      zero=None, bits=4, group_size=MX_GROUP, grid="mxfp4", shape=tuple(w.shape), dtype=w.dtype)
 
 
@@ -135,11 +150,17 @@ class RTNWeight(PackedWeight):
 
     @property
     def scale_kind(self) -> int:
-        """How the native kernels read ``scale`` (``load_scale`` in moeq.h): 0 fp32, 1 bf16, 2 int8 codes."""
+        """How the native kernels read ``scale`` (``load_scale`` in moeq.h): 0 fp32, 1 bf16, 2 int8 codes, 3 E8M0
+        bytes."""
+        if self.scale.dtype == torch.uint8:
+            return 3
         return 2 if self.scale_super is not None else int(self.scale.dtype == torch.bfloat16)
 
     def group_scales(self) -> torch.Tensor:
-        """The group scales as fp32 ``[..., N, G]`` (double-quantized: code x row factor, exact in fp32)."""
+        """The group scales as fp32 ``[..., N, G]`` (double-quantized: code x row factor, exact in fp32; E8M0 bytes:
+        their powers of two)."""
+        if self.scale.dtype == torch.uint8:
+            return e8m0_scales(self.scale)
         if self.scale_super is None:
             return self.scale.float()
         return self.scale.float() * self.scale_super.float().unsqueeze(-1)
@@ -173,7 +194,9 @@ class RTNWeight(PackedWeight):
                 return out
             reach = 127 * max(abs(v) for v in row.table)
             return bad_stats(self.scale_super, "scale_super", torch.finfo(self.dtype).max / reach, nonneg=True)
-        out += expect_tensor(self.scale, "scale", (*lead, k // gs), (torch.bfloat16, torch.float16, torch.float32))
+        e8m0 = row.ggml_head == "e8m0" and self.scale.dtype == torch.uint8  # the exponent bytes themselves
+        out += expect_tensor(self.scale, "scale", (*lead, k // gs),
+                             (torch.uint8,) if e8m0 else (torch.bfloat16, torch.float16, torch.float32))
         if row.ggml_head == "e8m0" and not out:  # the format's scales are E8M0 exponents
             out += mx_scale_problems(self.scale, self.group_size)
         if self.zero is not None:
@@ -186,7 +209,7 @@ class RTNWeight(PackedWeight):
         reach = maxq if self.zero is not None else 1 << (self.bits - 1)  # the largest |q - zero|
         if row.codebook:
             reach = max(abs(v) for v in row.table)
-        return out + bad_stats(self.scale, "scale", torch.finfo(self.dtype).max / reach)
+        return out + bad_stats(self.group_scales() if e8m0 else self.scale, "scale", torch.finfo(self.dtype).max / reach)
 
     def __getitem__(self, idx: int) -> RTNWeight:
         """The weight of one index along the leading (expert) dim, as views."""
@@ -202,7 +225,7 @@ class RTNWeight(PackedWeight):
         from moeq import native  # noqa: PLC0415
 
         if (self.bits not in (4, 5, 8) and self.grid not in CODEBOOKS) or self.scale.dtype not in (
-                torch.bfloat16, torch.float32, torch.int8):
+                torch.bfloat16, torch.float32, torch.int8, torch.uint8):
             return None
         if self.bits == 5 and self.zero is not None:
             return None
@@ -233,7 +256,7 @@ class RTNWeight(PackedWeight):
         gs = k if self.group_size == -1 else self.group_size
         dtype = dtype or self.dtype
         qd = self.qdata.reshape(-1, self.qdata.shape[-1])
-        sc = (self.scale if self.scale_super is None else self.group_scales()).reshape(-1, k // gs)
+        sc = (self.scale if self.scale.is_floating_point() else self.group_scales()).reshape(-1, k // gs)
         zr = None if self.zero is None else self.zero.reshape(-1, k // gs)
         out = torch.empty(qd.shape[0], k, dtype=dtype, device=qd.device)
         # (q - z) is exact in bf16 and the product is rounded once either way, so bf16 math equals fp32 math here

@@ -48,7 +48,7 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
              max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
     L = native.lib()
-    if m is None or L is None or w.scale.dtype not in (torch.bfloat16, torch.float32, torch.int8):
+    if m is None or L is None or w.scale.dtype not in (torch.bfloat16, torch.float32, torch.int8, torch.uint8):
         return None
     if w.bits not in (4, 5, 8) and w.grid not in CODEBOOKS:  # 2/3-bit RTN: dequantize + matmul
         return None

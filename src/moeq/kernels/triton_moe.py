@@ -77,7 +77,7 @@ def _layout_rtn(w: RTNWeight, e: int, n: int, k: int) -> KernelWeight | None:
         if w.bits != 4:
             return None
         lut = torch.tensor(CODEBOOKS[w.grid], dtype=torch.float32, device=q.device)
-        scale = w.scale if w.scale_super is None else w.group_scales()  # double quant resolved once
+        scale = w.scale if w.scale.is_floating_point() else w.group_scales()  # int8 codes / E8M0 bytes resolved once
         return KernelWeight(q, scale.reshape(e, n, -1), None, lut, Q_LUT4, gs, n, k)
     return KernelWeight(q, w.scale.reshape(e, n, -1), zero, None, Q_RTN4 if w.bits == 4 else Q_RTN8, gs, n, k)
 

@@ -192,14 +192,13 @@ def _unpack_native(blocks: np.ndarray, bits: int, head: int, shape: tuple[int, .
 def _rtn_weight(qdata: torch.Tensor, heads: torch.Tensor, e8m0: bool, bits: int, shape: tuple[int, ...], name: str,
                 grid: str) -> RTNWeight:
     """Codes in moeq's order and each block's scale bytes ``[..., N, K/32, head]`` -> the RTN weight."""
-    if e8m0:
-        e = heads[..., 0].to(torch.int32)
-        if bool((e == 255).any()):
+    if e8m0:  # the exponent bytes as they are (ggml's E8M0_TO_FP32_HALF x doubled table = moeq's 2^(e - 128))
+        scale = heads[..., 0]
+        if bool((scale == 255).any()):
             raise MoeqError(f"{name}: MXFP4 exponent 255 (E8M0 NaN)")
-        d = torch.ldexp(torch.ones(e.shape), e - 128)
     else:
         d = heads.view(torch.float16).squeeze(-1)  # [..., N, K/32]
-    scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(d.dtype), d) else d.float()
+        scale = d.to(torch.bfloat16) if torch.equal(d.to(torch.bfloat16).to(d.dtype), d) else d.float()
     return RTNWeight(qdata=qdata.contiguous(), scale=scale.contiguous(), zero=None, bits=bits, group_size=32,
                      grid=grid, shape=tuple(shape), dtype=torch.bfloat16).validate(name)
 

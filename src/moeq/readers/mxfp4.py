@@ -40,10 +40,9 @@ def read_stack(ckpt, blocks_key: str, scales_key: str, dtype: torch.dtype) -> RT
         raise MoeqError(f"{bi.file}: {blocks_key} {list(bi.shape)} / {scales_key} {list(si.shape)}: expected "
                         f"[E, N, K/32, 16] blocks and [E, N, K/32] scales")
     e, n, g, _ = bi.shape
-    exp = ckpt.read(scales_key).to(torch.int32)
-    if bool((exp == 255).any()):
+    scale = ckpt.read(scales_key)  # E8M0 bytes: 2^(e - 127) x E2M1 = 2^(e - 128) x moeq's doubled table, as stored
+    if bool((scale == 255).any()):
         raise MoeqError(f"{si.file}: {scales_key}: E8M0 exponent 255 (NaN)")
-    scale = torch.ldexp(torch.ones(exp.shape), exp - 128).to(torch.bfloat16)
     qdata = ckpt.read(blocks_key).reshape(e, n, g * MX_GROUP // 2)
     return RTNWeight(qdata=qdata.contiguous(), scale=scale.contiguous(), zero=None, bits=4, group_size=MX_GROUP,
                      grid="mxfp4", shape=(e, n, g * MX_GROUP), dtype=dtype).validate(blocks_key)

@@ -181,7 +181,7 @@ void moeq_rtn4_gemv_bf16(const uint16_t* xb, const float* xsum, i64 M, const uin
     const i64 G = K / gs;
 #if defined(__AVX512BF16__)
     if (M == 1 && perm64) {  // decode's common case in a loop of its own (faster than via the M loop, measured)
-        if (scale_bf16 && !zero) {
+        if (scale_bf16 == 1 && !zero) {
 #pragma omp parallel for schedule(static)
             for (i64 n = 0; n < N; n++) y[n] = rtn4_row1_p64(xb, xsum, q, scale, 1, NULL, n, K, gs);
         } else {

@@ -182,6 +182,8 @@ static inline __attribute__((always_inline)) void i8_row(const uint8_t* q, const
                     0xAAAAAAAAu, spread, _mm512_castsi128_si512(_mm_maskz_loadu_epi16(nb, sb))));
             else if (kind == 0)
                 sv = _mm512_permutexvar_ps(spread32, _mm512_castps128_ps512(_mm_maskz_loadu_ps(nb, sb)));
+            else if (kind == 3)
+                sv = _mm512_permutexvar_ps(spread32, _mm512_maskz_mov_ps(nb, e8m0_x16(_mm_maskz_loadu_epi8(nb, sb))));
             else
                 sv = _mm512_permutexvar_ps(spread32, _mm512_castps128_ps512(_mm_cvtepi32_ps(
                                                          _mm_cvtepi8_epi32(_mm_maskz_loadu_epi8(nb, sb)))));
@@ -469,6 +471,7 @@ static inline __attribute__((always_inline)) void i8_row_any(const moeq_wstack* 
     case c:                                                                            \
         if (w->scale_bf16 == 1) { I8_KIND(c, 1) }                                      \
         else if (w->scale_bf16 == 2) { I8_KIND(c, 2) }                                 \
+        else if (w->scale_bf16 == 3) { I8_KIND(c, 3) }                                 \
         else { I8_KIND(c, 0) }                                                         \
         break;
     switch (M) { I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8) }
@@ -514,7 +517,7 @@ static int i8_lut(const moeq_wstack* w, i8_lut_t* lut, int* cb) {
 // Whether the kernels take this weight (see the top of the file).
 static int i8_supported(const moeq_wstack* w, int bits) {
     if (!w->act_i8 || w->fmt != MOEQ_FMT_RTN || w->zero || w->K % 32 || w->bits != bits || w->scale_bf16 < 0 ||
-        w->scale_bf16 > 2)
+        w->scale_bf16 > 3)
         return 0;
     return w->gs == 32 || (w->gs % 64 == 0 && w->K % w->gs == 0);
 }

@@ -5,7 +5,7 @@
 // Layout of one stack [E, N, K] (N % 16 == 0, K % 64 == 0; symmetric 4-bit: no zero point):
 //   codes  [E][N/16][K/4][16][2]: per 16-row block, per 4-column unit c, per row r: the row-major bytes 2c, 2c + 1 of
 //          that row (elements 4c, 4c+1 and 4c+2, 4c+3) — a pure permutation of 2-byte units of the row-major codes;
-//   scales [E][N/16][G][16] in their kind (fp32, bf16 or int8 codes): per block and group, the 16 rows' scales;
+//   scales [E][N/16][G][16] in their kind (fp32, bf16, int8 codes or E8M0 bytes): per block and group, the 16 rows' scales;
 //   scale_super (int8 scale codes) stays [E][N].
 // One widening of a unit's 32 bytes to words gives, in lane r, the row's (element 4c, 4c+2) as low nibbles and
 // (4c+1, 4c+3) as high nibbles: the activations come as those bf16 pairs broadcast (x_to_il16's order), the code
@@ -145,6 +145,7 @@ static inline void x_to_il16(const float* x, i64 K, uint16_t* dst) {
 }
 
 static inline __m512 il16_scales(const void* s, int kind) {  // 16 scales of one block and group as fp32
+    if (kind == 3) return e8m0_x16(_mm_loadu_si128((const __m128i*)s));
     if (kind == 2) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)s)));
     if (kind == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
@@ -229,6 +230,7 @@ static inline void x_to_il16_i16(const float* x, i64 K, int16_t* xq, float* sx) 
 }
 
 static inline __m256 il16_scales8(const void* s, int kind) {  // 8 scales of one block half and group as fp32
+    if (kind == 3) return e8m0_x8(_mm_loadl_epi64((const __m128i*)s));
     if (kind == 2) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)s)));
     if (kind == 1)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s)), 16));

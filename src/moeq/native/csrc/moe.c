@@ -21,17 +21,17 @@ static int run_rtn8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, flo
 
 // Whether w (an expert stack or one weight) can take the il16 decode layout (il16_rows.h) on this build: symmetric
 // 4-bit RTN read through a 16-value table (lut: the signed grid or a codebook), N % 16 == 0, K % 64 == 0, groups of
-// a multiple of 16 dividing K, fp32/bf16 scales or int8 codes with row factors.
+// a multiple of 16 dividing K, fp32/bf16 scales, int8 codes with row factors or E8M0 bytes.
 int moeq_il16_takes(const moeq_wstack* w) {
 #if defined(MOEQ_IL16)
     return w->fmt == MOEQ_FMT_RTN && w->bits == 4 && !w->zero && w->lut && w->dot_bf16 && w->N > 0 && w->N % 16 == 0 &&
            w->K > 0 && w->K % 64 == 0 && w->gs > 0 && w->gs % 16 == 0 && w->K % w->gs == 0 &&
-           (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 == 0 || w->scale_bf16 == 1);
+           (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 >= 0 && w->scale_bf16 <= 3);
 #elif defined(MOEQ_IL16_AVX2)  // int16 activation chunks of 32 inside a group; the values an int8 table
     __m128i t[2];
     return w->fmt == MOEQ_FMT_RTN && w->bits == 4 && !w->zero && w->values && w->dot_bf16 && w->N > 0 &&
            w->N % 16 == 0 && w->K > 0 && w->K % 64 == 0 && w->gs > 0 && w->gs % 32 == 0 && w->K % w->gs == 0 &&
-           (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 == 0 || w->scale_bf16 == 1) &&
+           (w->scale_bf16 == 2 ? w->scale_super != NULL : w->scale_bf16 >= 0 && w->scale_bf16 <= 3) &&
            cb_tables_i8(w->values, 4, t);
 #else
     (void)w;

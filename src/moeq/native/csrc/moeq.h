@@ -80,14 +80,42 @@ static inline void silu_glu_row(const float* gate, const float* up, i64 n, float
     for (; i < n; i++) t[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
 }
 
-// Group scales come in three kinds (the int passed as `scale_bf16` throughout): 0 fp32, 1 bf16, 2 int8 codes of a
+// Group scales come in four kinds (the int passed as `scale_bf16` throughout): 0 fp32, 1 bf16, 2 int8 codes of a
 // double-quantized scale (codebook grids only) whose row factor `sup` (bf16 per output row) the caller applies to
-// the row's result: scale = code * sup[n].
-static inline float load_scale(const void* s, int kind, i64 i) {
-    return kind == 2 ? (float)((const int8_t*)s)[i] : kind ? bf2f(((const uint16_t*)s)[i]) : ((const float*)s)[i];
+// the row's result: scale = code * sup[n]; 3 E8M0 exponent bytes (mxfp4): scale = 2^(e - 128), e in 0..254
+// (validated before any kernel sees it; 2^-127 and 2^-128 are fp32 subnormals, exact).
+static inline float e8m0_f32(uint8_t e) {
+    const uint32_t u = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
-static inline i64 scale_size(int kind) { return kind == 2 ? 1 : kind ? 2 : 4; }
+static inline float load_scale(const void* s, int kind, i64 i) {
+    return kind == 3   ? e8m0_f32(((const uint8_t*)s)[i])
+           : kind == 2 ? (float)((const int8_t*)s)[i]
+           : kind      ? bf2f(((const uint16_t*)s)[i])
+                       : ((const float*)s)[i];
+}
+
+static inline i64 scale_size(int kind) { return kind >= 2 ? 1 : kind ? 2 : 4; }
+
+#if defined(__AVX512F__)
+static inline __m512 e8m0_x16(__m128i bytes) {  // 16 E8M0 bytes as fp32 scales (e8m0_f32)
+    const __m512i e = _mm512_cvtepu8_epi32(bytes);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(2)), tiny, normal));
+}
+#endif
+#if defined(__AVX2__)
+static inline __m256 e8m0_x8(__m128i bytes) {  // the low 8 E8M0 bytes as fp32 scales (e8m0_f32)
+    const __m256i e = _mm256_cvtepu8_epi32(bytes);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+#endif
 
 static inline float row_super(const uint16_t* sup, i64 n) { return sup ? bf2f(sup[n]) : 1.f; }
 
@@ -211,7 +239,7 @@ typedef struct {
     int dot_bf16;                // RTN 4/8-bit: round activations to bf16 (AVX512-BF16 dot products)
     const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
     const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
-    int scale_bf16;              // RTN: the scale kind (load_scale): 0 fp32, 1 bf16, 2 int8 codes x scale_super
+    int scale_bf16;              // RTN: the scale kind (load_scale): 0 fp32, 1 bf16, 2 int8 codes x scale_super, 3 E8M0
     int absmax_u8;               // bnb4: absmax holds uint8 codes (double quant: nested_* resolve them)
     const uint8_t* zero;         // RTN zero points [E, N, G] or NULL
     int bits;                    // RTN bits (4 or 8)

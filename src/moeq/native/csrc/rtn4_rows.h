@@ -214,7 +214,8 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
         if (small && (c & (16 / per - 1)) == 0) {
             const i64 g0 = n * G + per * c, left = G - per * c;
             const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-            s16 = scale_bf16 == 2 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t*)scale + g0)))
+            s16 = scale_bf16 == 3 ? _mm512_maskz_mov_ps(k, e8m0_x16(_mm_maskz_loadu_epi8(k, (const uint8_t*)scale + g0)))
+                  : scale_bf16 == 2 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t*)scale + g0)))
                   : scale_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t*)scale + g0)), 16))
                                : _mm512_maskz_loadu_ps(k, (const float*)scale + g0);
