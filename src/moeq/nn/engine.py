@@ -82,6 +82,10 @@ class Engine:
             return None, (plan, plan.scratch(batch))
         return None
 
+    def max_rows(self) -> int:
+        """The most sequences one native step takes with this model's head (0: none)."""
+        return next((b for b in range(MAX_BATCH, 0, -1) if self._head(b) is not None), 0)
+
     def _rope(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos/sin for positions 0 .. ``positions``-1 (``[P, D]`` bf16), as the module gives
         them for each position (elementwise in the position: one call for all equals one per step)."""
@@ -264,6 +268,15 @@ def engine_of(model: nn.Module) -> Engine | None:
     """The native decode engine installed on ``model`` (:func:`install`), or None."""
     gen = NativeGenerate.on(model)
     return None if gen is None else gen.engine
+
+
+def current(model: nn.Module) -> Engine | None:
+    """An engine over ``model``'s modules as they are now (a server may have swapped its head since :func:`install`
+    probed it), where :func:`install` gave the model one; else None."""
+    if engine_of(model) is None:
+        return None
+    parts = _parts(model)
+    return None if parts is None else Engine(model, parts)
 
 
 def _probe(model: nn.Module, eng: Engine) -> bool:

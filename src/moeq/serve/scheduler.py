@@ -2,14 +2,15 @@
 
 Each step the scheduler (1) admits waiting requests while rows are free, (2) runs the next chunk of one admitted
 prompt through the model with that request's own KV cache (chunks of :attr:`Scheduler.chunk` tokens, so a long
-prompt never stalls the others for more than one chunk), merging the request into the batch once its prompt is in,
-and (3) runs one decode step for every decoding row together — ``[B, 1]`` tokens through the model's own forward, so
-moeq's multi-row native kernels serve all of them in one pass over the routed experts' weights.
+prompt never stalls the others for more than one chunk), merging the request into a batch once its prompt is in,
+and (3) runs one decode step for every decoding row — each batch's rows together, so moeq's multi-row kernels serve
+all of them in one pass over the routed experts' weights.
 
-The batch's KV cache is one ``DynamicCache`` whose rows are left-padded to a common length (padding masked out by
-the attention mask, positions per row): a request joins by left-padding (its rows or the batch's) and leaves by
-dropping its row, after which columns that every row pads are trimmed. A cancelled request (a client that went
-away) leaves at the next step. Models whose cache is not one full-attention layer per decoder layer (sliding
+Batches (:mod:`moeq.serve.batch`): where the model has moeq's native decode step (every layer and the head native,
+:func:`moeq.nn.engine.install`), batches of up to the step's rows (8) run on it — one C call per step instead of the
+model's Python forward; otherwise one batch runs the model's own forward. Either way rows are left-padded to a common
+width; a request joins with its prompt's cache and leaves by dropping its row. A cancelled request (a client that
+went away) leaves at the next step. Models whose cache is not one full-attention layer per decoder layer (sliding
 windows, linear attention) decode row by row instead, each with its own cache — same results, no batching.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 from moeq.errors import MoeqError
+from moeq.serve.batch import NativeBatch, TorchBatch
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,10 @@ class Scheduler:
         self.max_batch, self.max_queue, self.chunk, self.context = max_batch, max_queue, chunk, context
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.admitted: list[Request] = []  # prompts being prefilled
-        self.rows: list[Request] = []  # decoding, one row each
-        self.cache = None  # the batch's cache (rows in self.rows order)
-        self.mask: torch.Tensor | None = None  # [B, S] 1 = real token
-        self.lengths: torch.Tensor | None = None  # [B] real tokens per row
+        self.alone: list[Request] = []  # decoding row by row (models whose cache cannot be left-padded)
+        self.batches: list[NativeBatch | TorchBatch] = []  # decoding together
         self.batched: bool | None = None  # decided at the first join: False decodes row by row
+        self.engine = None  # the native decode step's engine, where the model has one (decided at the first join)
         self.stats = {"steps": 0, "tokens": 0, "prompt_tokens": 0, "last_batch": 0, "max_batch": 0, "requests": 0}
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps: tok/s
         self._wake = threading.Event()
@@ -90,6 +91,11 @@ class Scheduler:
         self.waiting.put(req)
         self._wake.set()
         return True
+
+    @property
+    def rows(self) -> list[Request]:
+        """Every decoding request."""
+        return self.alone + [r for b in self.batches for r in b.rows]
 
     def depth(self) -> dict:
         return {"waiting": self.waiting.qsize(), "prefilling": len(self.admitted), "decoding": len(self.rows)}
@@ -155,16 +161,19 @@ class Scheduler:
                 log.warning("a decode step failed: %s", e)
                 for r in self.rows:
                     r.emit("error", f"{type(e).__name__}: {e}")
-                self.rows, self.cache, self.mask, self.lengths = [], None, None, None
+                self.alone, self.batches = [], []
             did = True
         return did
 
     def _drop_cancelled(self) -> None:
         for r in [r for r in self.admitted if r.cancelled.is_set()]:
             self.admitted.remove(r)
-        gone = [i for i, r in enumerate(self.rows) if r.cancelled.is_set()]
-        if gone:
-            self._remove_rows(gone)
+        self.alone = [r for r in self.alone if not r.cancelled.is_set()]
+        for b in self.batches:
+            gone = [i for i, r in enumerate(b.rows) if r.cancelled.is_set()]
+            if gone:
+                b.remove(gone)
+        self.batches = [b for b in self.batches if b.rows]
 
     # -- prompts ----------------------------------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request) -> None:
@@ -200,63 +209,39 @@ class Scheduler:
             self.batched = self._layers_full(req.cache)
             if not self.batched:
                 log.info("this model's cache cannot be left-padded: decoding row by row")
-        if not self.batched:
-            self.rows.append(req)
-            return
-        if not self.rows:
-            self.cache, req.cache = req.cache, None
-            self.mask = torch.ones(1, t, dtype=torch.long)
-            self.lengths = torch.tensor([t])
-            self.rows.append(req)
-            return
-        s = self.mask.shape[1]
-        width = max(s, t)
-        for mine, theirs in zip(self.cache.layers, req.cache.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
-            mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
-        row = torch.zeros(1, width, dtype=torch.long)
-        row[:, width - t:] = 1
-        self.mask = torch.cat([_pad_left(self.mask, width), row])
-        self.lengths = torch.cat([self.lengths, torch.tensor([t])])
-        req.cache = None
-        self.rows.append(req)
+            else:
+                from moeq.nn import engine  # noqa: PLC0415
 
-    def _remove_rows(self, idx: list[int]) -> None:
-        keep = [i for i in range(len(self.rows)) if i not in set(idx)]
-        self.rows = [self.rows[i] for i in keep]
+                eng = engine.current(self.model)
+                self.engine = eng if eng is not None and eng.max_rows() > 0 else None
+                log.info("batched decode on %s", "the native decode step" if self.engine else "the model's forward")
         if not self.batched:
+            self.alone.append(req)
             return
-        if not keep:
-            self.cache = self.mask = self.lengths = None
-            return
-        sel = torch.tensor(keep)
-        self.mask = self.mask[sel]
-        self.lengths = self.lengths[sel]
-        lead = int((self.mask.cumsum(1) == 0).sum(1).min())  # columns every row pads
-        self.mask = self.mask[:, lead:].contiguous()
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[sel, :, lead:].contiguous()
-            layer.values = layer.values[sel, :, lead:].contiguous()
+        room = [b for b in self.batches if len(b.rows) < b.room]
+        if room:
+            batch = min(room, key=lambda b: len(b.rows))
+        else:
+            batch = (NativeBatch(self.engine, min(self.engine.max_rows(), self.max_batch)) if self.engine is not None
+                     else TorchBatch(self.model, self.max_batch))
+            self.batches.append(batch)
+        cache, req.cache = req.cache, None
+        batch.join(req, cache, t)
 
     def _decode_step(self) -> None:
-        if not self.batched:
-            for r in list(self.rows):
-                self._decode_alone(r)
-            return
-        b = len(self.rows)
-        ids = torch.tensor([[r.generated[-1]] for r in self.rows], dtype=torch.long)
-        self.mask = torch.cat([self.mask, torch.ones(b, 1, dtype=torch.long)], 1)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.lengths[:, None],
-                         cache=self.cache, use_cache=True)
-        self.lengths = self.lengths + 1
-        logits = out.logits[:, -1]
-        done = [i for i, r in enumerate(self.rows) if self._accept(r, self._sample(r, logits[i]))]
-        self.stats["steps"] += 1
-        self.stats["last_batch"] = b
-        self.stats["max_batch"] = max(self.stats["max_batch"], b)
-        self._recent.append((time.perf_counter(), b))
-        if done:
-            self._remove_rows(done)
+        for r in list(self.alone):
+            self._decode_alone(r)
+        for batch in list(self.batches):
+            b = len(batch.rows)
+            logits = batch.step(torch.tensor([r.generated[-1] for r in batch.rows], dtype=torch.long))
+            done = [i for i, r in enumerate(batch.rows) if self._accept(r, self._sample(r, logits[i]))]
+            self.stats["steps"] += 1
+            self.stats["last_batch"] = b
+            self.stats["max_batch"] = max(self.stats["max_batch"], b)
+            self._recent.append((time.perf_counter(), b))
+            if done:
+                batch.remove(done)
+        self.batches = [b for b in self.batches if b.rows]
 
     def _decode_alone(self, r: Request) -> None:
         t = len(r.prompt) + len(r.generated) - 1
@@ -266,7 +251,7 @@ class Scheduler:
         self.stats["last_batch"] = 1
         self._recent.append((time.perf_counter(), 1))
         if self._accept(r, self._sample(r, out.logits[0, -1])):
-            self.rows.remove(r)
+            self.alone.remove(r)
 
     # -- tokens -----------------------------------------------------------------------------------------------------
     def _sample(self, r: Request, logits: torch.Tensor) -> int:
@@ -323,13 +308,3 @@ class Scheduler:
         r.cache = None
         return True
 
-
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` (``[B, ..., S]`` for masks, ``[B, H, S, D]`` for keys/values) left-padded with zeros to ``width``."""
-    dim = 1 if t.dim() == 2 else 2
-    s = t.shape[dim]
-    if s == width:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width - s
-    return torch.cat([t.new_zeros(shape), t], dim)

@@ -1,0 +1,117 @@
+"""The scheduler's native batch (moeq.serve.batch.NativeBatch: the native decode step over static caches, rows
+joining and leaving between steps) against the model's own forward (TorchBatch, the path every other model takes):
+the same greedy tokens and logits within bf16 rounding at every step, through joins that widen the batch, leaves
+that trim it, capacity growth, and two batches beside each other."""
+import pytest
+import torch
+
+from moeq import native
+
+pytestmark = pytest.mark.skipif(native.lib() is None or not native.has_simd(),
+                                reason="the native decode step needs the SIMD build")
+
+
+def _prompt(m, ids: list[int]):
+    from transformers import DynamicCache
+
+    c = DynamicCache(config=m.config)
+    out = m(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), cache=c,
+            use_cache=True, logits_to_keep=1)
+    return c, int(out.logits[0, -1].float().argmax())
+
+
+class Row:  # what the batches need of a request
+    def __init__(self, name):
+        self.name = name
+        self.generated = []
+
+
+def test_native_batch_follows_the_model_through_joins_and_leaves(tiny_model):
+    from moeq.nn import decode, engine
+    from moeq.serve import loader
+    from moeq.serve.batch import NativeBatch, TorchBatch
+
+    m, _, _, _ = loader(str(tiny_model), quant="q4_0", batch=8)()
+    eng = engine.current(m)
+    assert eng is not None and eng.max_rows() >= 4
+    g = torch.Generator().manual_seed(0)
+    vocab = m.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 40, 3, 300, 17)]
+    nat, ref = NativeBatch(eng, min(eng.max_rows(), 4)), TorchBatch(m, 8)
+    rows = {}
+
+    def join(i):
+        for batch in (nat, ref):
+            cache, first = _prompt(m, prompts[i])
+            r = Row(i)
+            r.generated.append(first)
+            batch.join(r, cache, len(prompts[i]))
+        rows[i] = first
+
+    def step():
+        toks_n = torch.tensor([r.generated[-1] for r in nat.rows])
+        toks_r = torch.tensor([r.generated[-1] for r in ref.rows])
+        assert torch.equal(toks_n, toks_r)
+        ln, lr = nat.step(toks_n), ref.step(toks_r)
+        assert ln.shape == lr.shape
+        assert decode.close(ln.float(), lr.float()), (ln.float() - lr.float()).abs().max()
+        for batch, logits in ((nat, ln), (ref, lr)):
+            for r, row in zip(batch.rows, logits):
+                r.generated.append(int(row.float().argmax()))
+
+    def leave(i):
+        for batch in (nat, ref):
+            batch.remove([j for j, r in enumerate(batch.rows) if r.name == i])
+
+    with torch.inference_mode():
+        join(0)
+        for _ in range(3):
+            step()
+        join(1)  # wider than the batch: the batch's rows move right
+        step()
+        join(2)  # narrower: the new row is left-padded
+        for _ in range(2):
+            step()
+        leave(1)  # the widest row leaves: every remaining row's padding trimmed
+        assert nat.S == int(nat.lengths.max())
+        step()
+        cap = nat.capacity
+        join(3)  # 300 tokens: past the capacity, which grows with the used columns kept
+        assert nat.capacity > cap
+        for _ in range(4):
+            step()
+        leave(0)
+        leave(3)
+        join(4)
+        for _ in range(3):
+            step()
+    assert [r.generated for r in nat.rows] == [r.generated for r in ref.rows]
+    assert len(nat.rows) == 2 and nat.S == int(nat.lengths.max())
+
+
+def test_a_full_native_batch_refuses_nothing_and_steps_each_row_as_alone_within_rounding(tiny_model):
+    """Eight rows in two native batches of four (the server's split past the step's rows) give each row the logits
+    it gets decoding alone, within bf16 rounding."""
+    from moeq.nn import decode, engine
+    from moeq.serve import loader
+    from moeq.serve.batch import NativeBatch
+
+    m, _, _, _ = loader(str(tiny_model), quant="q4_0", batch=8)()
+    eng = engine.current(m)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(2, 30, (8,), generator=g)]
+    batches = [NativeBatch(eng, 4), NativeBatch(eng, 4)]
+    with torch.inference_mode():
+        firsts = []
+        for i, p in enumerate(prompts):
+            cache, first = _prompt(m, p)
+            batches[i // 4].join(Row(i), cache, len(p))
+            firsts.append(first)
+        together = torch.cat([b.step(torch.tensor(firsts[4 * k:4 * k + 4])) for k, b in enumerate(batches)])
+        for i, p in enumerate(prompts):
+            alone = NativeBatch(eng, 1)
+            cache, _ = _prompt(m, p)
+            alone.join(Row(i), cache, len(p))
+            got = alone.step(torch.tensor([firsts[i]]))
+            assert decode.close(got.float(), together[i:i + 1].float()), i
