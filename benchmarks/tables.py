@@ -15,7 +15,9 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LABELS = {"q4_0": "Q4_0 experts + attention, bf16 head", "q4_0+head:q8_0": "Q4_0 experts + attention, Q8_0 head",
-          "rtn-int4+head:q8_0=q4_0+head:q8_0": "moeq `rtn-int4` + Q8_0 head; llama.cpp Q4_0 + Q8_0 head"}
+          "rtn-int4+head:q8_0=q4_0+head:q8_0": "moeq `rtn-int4` + Q8_0 head; llama.cpp Q4_0 + Q8_0 head",
+          "mxfp4": "MXFP4 experts + attention (same bytes both sides), bf16 head",
+          "fp8=q8_0": "moeq FP8 e4m3 128x128 (`--method fp8`); llama.cpp Q8_0, bf16 heads"}
 IMATRIX_ROWS = ["q4_0 (llama.cpp Q4_0 rounding)", "llama.cpp Q4_0 --pure +imatrix", "moeq iq4nl", "llama.cpp IQ4_NL --pure",
                 "llama.cpp IQ4_NL --pure +imatrix", "moeq iq4nl-dq", "llama.cpp IQ4_XS --pure",
                 "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-m", "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3-m",
@@ -185,7 +187,8 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
-          "full_depth": full_depth}
+          "full_depth": full_depth,
+          "hub_formats_spr": lambda: vs_llamacpp("mxfp4_fp8_vs_llamacpp_spr.json")}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

@@ -115,3 +115,58 @@ def test_a_full_native_batch_refuses_nothing_and_steps_each_row_as_alone_within_
             alone.join(Row(i), cache, len(p))
             got = alone.step(torch.tensor([firsts[i]]))
             assert decode.close(got.float(), together[i:i + 1].float()), i
+
+
+def _run(sched, prompts, max_tokens=8):
+    """Submit every prompt at once; return each request's generated ids once all are done."""
+    import threading
+
+    from moeq.serve.scheduler import Request
+
+    reqs, events = [], []
+    for p in prompts:
+        ev = threading.Event()
+        req = Request(prompt=p, max_tokens=max_tokens, ignore_eos=True,
+                      emit=lambda kind, payload, ev=ev: ev.set() if kind in ("done", "error") else None)
+        assert sched.submit(req)
+        reqs.append(req)
+        events.append(ev)
+    for ev in events:
+        assert ev.wait(120)
+    return [r.generated for r in reqs]
+
+
+@pytest.mark.parametrize("fail_together", [False, True])
+def test_prompts_prefilled_together_decode_as_alone(tiny_model, monkeypatch, fail_together):
+    """Prompts that arrive together run as one left-padded forward (one read of the experts for all) and each
+    request then generates what it generates alone; when that forward fails, each prompt runs alone instead and
+    every request still completes."""
+    from moeq.serve import loader
+    from moeq.serve.scheduler import Scheduler
+
+    m, tok, stops, _ = loader(str(tiny_model), quant="q4_0", batch=8)()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, m.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 60)]
+    sched = Scheduler(m, tok, [], max_batch=8, chunk=256)
+    together_calls, finished = [], []
+    real = Scheduler._prefill_together
+
+    def spy(self, group):
+        together_calls.append(len(group))
+        if fail_together:
+            raise RuntimeError("injected")
+        real(self, group)
+        finished.append(len(group))
+
+    monkeypatch.setattr(Scheduler, "_prefill_together", spy)
+    sched.start()
+    try:
+        alone = [_run(sched, [p])[0] for p in prompts]  # the first also decides the batch kind
+        assert not together_calls
+        together = _run(sched, prompts)
+    finally:
+        sched.stop()
+    assert together_calls and max(together_calls) >= 2  # they did run together (or tried to)
+    assert finished == ([] if fail_together else together_calls)
+    assert together == alone
+    assert not sched.rows and not sched.admitted

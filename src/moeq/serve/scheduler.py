@@ -145,14 +145,21 @@ class Scheduler:
                 self.stats["requests"] += 1
         did = False
         if self.admitted:
-            req = self.admitted[0]
-            try:
-                self._prefill_chunk(req)
-            except Exception as e:  # this prompt failed (e.g. non-finite activations): its request alone ends
-                log.warning("a prompt failed: %s", e)
-                if req in self.admitted:
-                    self.admitted.remove(req)
-                req.emit("error", f"{type(e).__name__}: {e}")
+            group = self._prompt_group()
+            if len(group) > 1:
+                try:
+                    self._prefill_together(group)
+                    group = []
+                except Exception as e:  # nothing was changed: each prompt runs alone, so only a failing one ends
+                    log.info("prompts run together failed (%s): running them one by one", e)
+            for req in group:
+                try:
+                    self._prefill_chunk(req)
+                except Exception as e:  # this prompt failed (e.g. non-finite activations): its request alone ends
+                    log.warning("a prompt failed: %s", e)
+                    if req in self.admitted:
+                        self.admitted.remove(req)
+                    req.emit("error", f"{type(e).__name__}: {e}")
             did = True
         if self.rows:
             try:
@@ -176,6 +183,55 @@ class Scheduler:
         self.batches = [b for b in self.batches if b.rows]
 
     # -- prompts ----------------------------------------------------------------------------------------------------
+    def _prompt_group(self) -> list[Request]:
+        """The admitted prompts to run this step: the first alone while it is part-way through or longer than a chunk
+        (chunks of its own), or before the first join has shown that caches can be left-padded; else as many whole
+        prompts, in arrival order, as fit one chunk left-padded to the longest — one forward reads the experts' weights
+        once for all of them."""
+        first = self.admitted[0]
+        if first.done_prompt or not self.batched:
+            return [first]
+        group, width = [], 0
+        for r in self.admitted:
+            w = max(width, len(r.prompt))
+            if r.done_prompt or w * (len(group) + 1) > self.chunk:
+                break
+            group.append(r)
+            width = w
+        return group or [first]
+
+    def _prefill_together(self, group: list[Request]) -> None:
+        """Whole prompts through one left-padded forward (positions per row, padding masked); each request then gets
+        its own rows of the cache, samples its first token and joins a batch. Changes nothing when it raises."""
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        n, width = len(group), max(len(r.prompt) for r in group)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        mask = torch.zeros(n, width, dtype=torch.long)
+        for i, r in enumerate(group):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        pos = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        if not self._layers_full(cache):
+            raise MoeqError("the prompts' cache is not one full-attention layer per decoder layer")
+        tokens = self._tokens(group, out.logits[:, -1])
+        caches = []
+        for i, r in enumerate(group):
+            own, t = DynamicCache(config=self.model.config), len(r.prompt)
+            for j, layer in enumerate(cache.layers):
+                own.update(layer.keys[i:i + 1, :, width - t:].contiguous(),
+                           layer.values[i:i + 1, :, width - t:].contiguous(), j)
+            caches.append(own)
+        for r, own, token in zip(group, caches, tokens):
+            self.admitted.remove(r)
+            r.cache, r.done_prompt = own, len(r.prompt)
+            self.stats["prompt_tokens"] += len(r.prompt)
+            if not self._accept(r, token):
+                self._join(r)
+
     def _prefill_chunk(self, req: Request) -> None:
         from transformers import DynamicCache  # noqa: PLC0415
 
@@ -234,7 +290,8 @@ class Scheduler:
         for batch in list(self.batches):
             b = len(batch.rows)
             logits = batch.step(torch.tensor([r.generated[-1] for r in batch.rows], dtype=torch.long))
-            done = [i for i, r in enumerate(batch.rows) if self._accept(r, self._sample(r, logits[i]))]
+            tokens = self._tokens(batch.rows, logits)
+            done = [i for i, (r, t) in enumerate(zip(batch.rows, tokens)) if self._accept(r, t)]
             self.stats["steps"] += 1
             self.stats["last_batch"] = b
             self.stats["max_batch"] = max(self.stats["max_batch"], b)
@@ -254,6 +311,13 @@ class Scheduler:
             self.alone.remove(r)
 
     # -- tokens -----------------------------------------------------------------------------------------------------
+    def _tokens(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
+        """Each row's next token from logits ``[B, V]``: one finiteness check and one argmax for the greedy rows."""
+        if not bool(torch.isfinite(logits).all()):
+            raise MoeqError("the model produced non-finite logits")
+        top = logits.argmax(-1).tolist() if any(r.temperature <= 0 for r in rows) else None
+        return [top[i] if r.temperature <= 0 else self._sample(r, logits[i]) for i, r in enumerate(rows)]
+
     def _sample(self, r: Request, logits: torch.Tensor) -> int:
         x = logits.float()
         if not bool(torch.isfinite(x).all()):
