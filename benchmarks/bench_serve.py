@@ -183,15 +183,20 @@ def main() -> None:
             try:
                 asyncio.run(load(srv.url, 1, 1, prompt, 8, extra))  # warm-up
                 for n in args.clients:
-                    try:
-                        got = asyncio.run(load(srv.url, n, args.requests, prompt, args.new_tokens, extra))
-                    except httpx.HTTPError as e:  # a server that went away mid-run: restarted once, the run redone
-                        print(f"{system} failed at {n} clients ({type(e).__name__}); restarting it", flush=True)
-                        srv.stop()
-                        srv = start(system, folder, gguf, args.threads, slots, ctx, exe)
-                        asyncio.run(load(srv.url, 1, 1, prompt, 8, extra))
-                        got = asyncio.run(load(srv.url, n, args.requests, prompt, args.new_tokens, extra))
-                        got["restarted"] = True
+                    got = None
+                    for attempt in range(3):  # a server that went away mid-run: restarted, the run redone
+                        try:
+                            got = asyncio.run(load(srv.url, n, args.requests, prompt, args.new_tokens, extra))
+                            break
+                        except httpx.HTTPError as e:
+                            print(f"{system} failed at {n} clients ({type(e).__name__}); restarting it", flush=True)
+                            srv.stop()
+                            srv = start(system, folder, gguf, args.threads, slots, ctx, exe)
+                            asyncio.run(load(srv.url, 1, 1, prompt, 8, extra))
+                    if got is None:  # recorded as failed; the cell's best comes from the other rounds
+                        rounds.append({"round": rnd, "system": system, "clients": n, "failed": True})
+                        continue
+                    got["restarts"] = attempt
                     row = {"round": rnd, "system": system, **got}
                     rounds.append(row)
                     print(json.dumps(row), flush=True)
@@ -200,7 +205,7 @@ def main() -> None:
     best, median = {}, {}
     for system in ("llama-server", "moeq"):
         for n in args.clients:
-            rows = [r for r in rounds if r["system"] == system and r["clients"] == n]
+            rows = [r for r in rounds if r["system"] == system and r["clients"] == n and not r.get("failed")]
             best.setdefault(system, {})[str(n)] = max(rows, key=lambda r: r["tok_s"])
             median.setdefault(system, {})[str(n)] = {k: statistics.median(r[k] for r in rows)
                                                      for k in ("tok_s", "ttft_p50_ms", "itl_p50_ms")}
