@@ -25,7 +25,7 @@ from moeq.errors import MoeqError
 from moeq.nn import bf12, decode, finite, packed
 
 log = logging.getLogger(__name__)
-MAX_BATCH = 8  # sequences per native step (model.c's bound); a bf16/bf12 head as many as its native call takes on
+MAX_BATCH = 16  # sequences per native step (model.c's MOEQ_STEP_ROWS); a bf16/bf12 head as many as its native call takes on
 # this CPU (decode.head_max_rows, bf12.max_rows: 16 with AVX512-BF16 or AMX tiles, 8 with AMX without them, else 4
 # or 1), a quantized head what its plan allows
 _CONFIG_FREE = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "pad_token_id", "eos_token_id",

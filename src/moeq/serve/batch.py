@@ -2,7 +2,7 @@
 ``step``):
 
 - :class:`NativeBatch`: moeq's native decode step (:class:`moeq.nn.engine.Engine`, one C call for every layer and the
-  head) over static KV caches of ``room`` rows; for models whose layers and head all run natively.
+  head, up to 16 rows) over static KV caches of ``room`` rows; for models whose layers and head all run natively.
 - :class:`TorchBatch`: the model's own forward over one ``DynamicCache``; any model whose cache is one full-attention
   layer per decoder layer.
 

@@ -7,7 +7,7 @@ and (3) runs one decode step for every decoding row — each batch's rows togeth
 all of them in one pass over the routed experts' weights.
 
 Batches (:mod:`moeq.serve.batch`): where the model has moeq's native decode step (every layer and the head native,
-:func:`moeq.nn.engine.install`), batches of up to the step's rows (8) run on it — one C call per step instead of the
+:func:`moeq.nn.engine.install`), batches of up to the step's rows (16) run on it — one C call per step instead of the
 model's Python forward; otherwise one batch runs the model's own forward. Either way rows are left-padded to a common
 width; a request joins with its prompt's cache and leaves by dropping its row. A cancelled request (a client that
 went away) leaves at the next step. Models whose cache is not one full-attention layer per decoder layer (sliding

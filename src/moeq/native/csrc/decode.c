@@ -93,7 +93,7 @@ void moeq_rope_bf16(uint16_t* x, i64 B, i64 H, i64 D, const uint16_t* cos, const
 // linears with optional biases, optional q/k RMSNorms per head or over the projection, RoPE, softmax top-k router,
 // SiLU-GLU experts) in three native calls — around the caller's cache update and its router top-k —, composing the
 // kernels above and in moe.c with the rounding of transformers' bf16 forward at every step (each module output
-// rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= 8.
+// rounded to bf16; residual sums in fp32, rounded). B rows of one token each, B <= MOEQ_STEP_ROWS.
 
 void moeq_qlinear_bf16(const moeq_wstack* w, const uint16_t* x, i64 B, const uint16_t* bias, uint16_t* y) {
     const i64 K = w->K, N = w->N;
@@ -155,8 +155,8 @@ int moeq_layer_attn_cached(const moeq_layer* L, const uint16_t* x, i64 B, const 
 
 // The experts for the routing idx/wt [B, A] (weights as the router returns them, in fp32) and the second residual:
 // out [B, H] = r1 + bf16(experts(n2)) [+ extra: bf16(bf16(experts) + extra), the gated shared expert of Qwen2-MoE].
-// Returns 1 (out untouched) when the MoE kernel declines (an expert index out of range, more than 8 rows on one
-// expert) or a buffer cannot be had.
+// Returns 1 (out untouched) when the MoE kernel declines (an expert index out of range, more than MOEQ_ROUTED_ROWS
+// rows) or a buffer cannot be had.
 int moeq_layer_moe(const moeq_layer* L, const uint16_t* r1, const uint16_t* n2, i64 B, const i64* idx,
                    const float* wt, const uint16_t* extra, uint16_t* out) {
     const i64 H = L->H, E = L->E, A = L->topk, I = L->w2.K;

@@ -52,7 +52,7 @@ static int route(const moeq_layer* Ly, const uint16_t* logits, i64* idx, float* 
 i64 moeq_decode_step(const moeq_model* M, i64 B, const i64* tok, const i64* pos, i64 S, const float* mask, i64 l0,
                      const i64* idx0, const float* wt0, uint16_t* state, uint16_t* logits) {
     const i64 H = M->H;
-    if (B < 1 || B > M->B || B > 8 || S < 1 || S > M->Sc || l0 < 0 || l0 >= M->L) return -2;
+    if (B < 1 || B > M->B || B > MOEQ_STEP_ROWS || S < 1 || S > M->Sc || l0 < 0 || l0 >= M->L) return -2;
     const i64 D = M->layers[0].D;
     uint16_t *x = state, *r1 = x + B * H, *n2 = r1 + B * H, *rl = n2 + B * H;
     i64 maxq = 0, maxkv = 0, maxa = 0;

@@ -649,40 +649,64 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
 
 // A decode step's MoE layer straight from the router's output: groups the token-expert pairs by expert (a stable
 // counting sort, the order of argsort(top_k_index.flatten(), stable=True)) and runs the layer kernel above, in one
-// call instead of a dozen small torch ops. Returns 1 (nothing written) when an index is outside [0, E) or an expert
-// gets more than 8 rows: the caller takes its general path. scratch: as the layer kernel for min(E, T*A) active
-// experts.
+// call instead of a dozen small torch ops. The layer kernels take up to 8 rows per expert: an expert with more (a
+// batch past 8 rows) runs in passes, each expert's next 8 rows per pass, the passes adding into out in turn.
+// Returns 1 (nothing written) when an index is outside [0, E), T > MOEQ_ROUTED_ROWS, or a buffer cannot be had: the
+// caller takes its general path. scratch: as the layer kernel for min(E, T*A) active experts.
+static void moe_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* tok,
+                      const float* wts, const i64* starts, i64 E, float* out, float* scratch) {
+    const int both = layers_of(w13) & layers_of(w2);
+    if ((both & MOEQ_LAYER_I8) && moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
+        ;  // the int8-activation option
+    else if (both & MOEQ_LAYER_EXPERTS)
+        moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+    else
+        moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+}
+
 int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch) {
     const i64 P = T * A;
-    i64* starts = (i64*)calloc((size_t)(E + 1), sizeof(i64));
-    i64* tok = (i64*)malloc((size_t)P * sizeof(i64));
-    float* wts = (float*)malloc((size_t)P * sizeof(float));
-    int declined = 0;
-    for (i64 p = 0; p < P; p++) {
+    if (T < 1 || T > MOEQ_ROUTED_ROWS || A < 1 || E < 1) return 1;
+    i64* starts = (i64*)calloc((size_t)(2 * (E + 1) + E), sizeof(i64));
+    i64* tok = (i64*)malloc((size_t)(2 * P) * sizeof(i64));
+    float* wts = (float*)malloc((size_t)(2 * P) * sizeof(float));
+    int declined = !starts || !tok || !wts;
+    for (i64 p = 0; p < P && !declined; p++) {
         if (idx[p] < 0 || idx[p] >= E) { declined = 1; break; }
         starts[idx[p] + 1]++;
     }
+    i64 most = 0;
     for (i64 e = 0; e < E && !declined; e++) {
-        if (starts[e + 1] > 8) declined = 1;
+        most = starts[e + 1] > most ? starts[e + 1] : most;
         starts[e + 1] += starts[e];
     }
     if (!declined) {
-        i64* fill = (i64*)malloc((size_t)E * sizeof(i64));
+        i64* fill = starts + 2 * (E + 1);
         memcpy(fill, starts, (size_t)E * sizeof(i64));
         for (i64 p = 0; p < P; p++) {
             const i64 slot = fill[idx[p]]++;
             tok[slot] = p / A;
             wts[slot] = wt[p];
         }
-        free(fill);
-        const int both = layers_of(w13) & layers_of(w2);
-        if ((both & MOEQ_LAYER_I8) && moeq_moe_forward_i8(w13, w2, x, H, I, tok, wts, starts, E, out))
-            ;  // the int8-activation option
-        else if (both & MOEQ_LAYER_EXPERTS)
-            moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
-        else
-            moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+        if (most <= 8) {
+            moe_layer(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
+        } else {  // pass k: rows 8k .. 8k+7 of each expert, grouped as the layer kernels take them
+            i64* ps = starts + (E + 1);
+            i64* ptok = tok + P;
+            float* pwts = wts + P;
+            for (i64 k = 0; 8 * k < most; k++) {
+                ps[0] = 0;
+                for (i64 e = 0; e < E; e++) {
+                    const i64 lo = starts[e] + 8 * k, hi = starts[e + 1] < lo + 8 ? starts[e + 1] : lo + 8;
+                    const i64 n = hi > lo ? hi - lo : 0;
+                    memcpy(ptok + ps[e], tok + lo, (size_t)n * sizeof(i64));
+                    memcpy(pwts + ps[e], wts + lo, (size_t)n * sizeof(float));
+                    ps[e + 1] = ps[e] + n;
+                }
+                moe_layer(w13, w2, x, H, I, ptok, pwts, ps, E, out, scratch);
+            }
+        }
     }
     free(starts);
     free(tok);

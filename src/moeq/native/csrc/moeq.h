@@ -263,6 +263,9 @@ typedef struct {
 } moeq_wstack;
 
 // The layer kernels a stack can be part of (moeq_wstack.layers, a mask).
+#define MOEQ_ROUTED_ROWS 64  // tokens one moeq_moe_routed call takes (in passes of 8 rows per expert)
+#define MOEQ_STEP_ROWS 16    // sequences one moeq_decode_step takes
+
 enum moeq_layer { MOEQ_LAYER_I8 = 1, MOEQ_LAYER_EXPERTS = 2, MOEQ_LAYER_GEMM = 4 };
 
 // ---- exports (quants.c) ----
