@@ -204,7 +204,8 @@ def test_bf16_gemv_within_one_rounding_of_exact(cfg, rows, k, wdtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_routed_decode_groups_pairs_like_argsort(cfg, dtype, monkeypatch):
     """The one-call decode path groups pairs in C; it must equal the Python grouping feeding the same kernel
-    (bit for bit), decline an expert with more than 8 rows, and leave the result to the general path then."""
+    (bit for bit), run an expert with more than 8 rows in passes of 8 (equal to the general path within rounding),
+    and decline an expert index out of range."""
     import moeq.nn.experts as ex
     from moeq.kernels import moe_cpu
     from moeq.nn import Activation, QuantExperts
@@ -221,12 +222,14 @@ def test_routed_decode_groups_pairs_like_argsort(cfg, dtype, monkeypatch):
     monkeypatch.setattr(ex, "moe_routed", lambda *args: None)
     grouped = mod(x, idx, wts)
     assert torch.equal(routed, grouped)
-    crowded = torch.full((3, a), 5)  # expert 5 gets 12 rows: declined, the general path answers
-    assert moe_cpu.moe_routed(mod, x[:3], crowded, wts[:3]) is None
     monkeypatch.undo()
+    crowded = torch.full((3, a), 5)  # expert 5 gets 12 rows: two passes (8, then 4)
+    passes = moe_cpu.moe_routed(mod, x[:3], crowded, wts[:3])
+    assert passes is not None
     _no_fused(ex, monkeypatch)
     loop = mod(x[:3], crowded, wts[:3]).float()
     monkeypatch.undo()
+    assert torch.allclose(passes.float(), loop, atol=2e-2 * loop.abs().max())
     assert torch.allclose(mod(x[:3], crowded, wts[:3]).float(), loop, atol=2e-2 * loop.abs().max())
     assert moe_cpu.moe_routed(mod, x[:1], torch.tensor([[0, 1, 99, 2]]), wts[:1]) is None  # bad index: declined
 
