@@ -180,3 +180,34 @@ def test_prompts_prefilled_together_decode_as_alone(tiny_model, monkeypatch, fai
     assert finished == ([] if fail_together else together_calls)
     assert together == alone
     assert not sched.rows and not sched.admitted
+
+
+def test_models_without_the_native_step_batch_through_their_forward(tiny_model, monkeypatch):
+    """Where the model has no native decode step (engine.current gives None), the scheduler's batches run the model's
+    forward: concurrent requests joining and leaving give the tokens each gives alone."""
+    from moeq.nn import engine
+    from moeq.serve import loader
+    from moeq.serve.batch import TorchBatch
+    from moeq.serve.scheduler import Scheduler
+
+    monkeypatch.setattr(engine, "current", lambda model: None)
+    m, tok, _, _ = loader(str(tiny_model), quant="q4_0", batch=8)()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, m.config.vocab_size, (n,), generator=g).tolist() for n in (4, 30, 11)]
+    sched = Scheduler(m, tok, [], max_batch=8, chunk=256)
+    kinds = []
+    real = TorchBatch.step
+
+    def step(self, tokens):
+        kinds.append(len(self.rows))
+        return real(self, tokens)
+
+    monkeypatch.setattr(TorchBatch, "step", step)
+    sched.start()
+    try:
+        alone = [_run(sched, [p], max_tokens=6)[0] for p in prompts]
+        together = _run(sched, prompts, max_tokens=6)
+    finally:
+        sched.stop()
+    assert sched.engine is None and max(kinds) >= 2
+    assert together == alone
