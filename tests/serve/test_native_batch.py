@@ -211,3 +211,27 @@ def test_models_without_the_native_step_batch_through_their_forward(tiny_model, 
         sched.stop()
     assert sched.engine is None and max(kinds) >= 2
     assert together == alone
+
+
+@pytest.mark.parametrize("rows", [4, 16])
+def test_native_batches_only_where_one_step_holds_every_admitted_row(tiny_model, monkeypatch, rows):
+    """A server admitting 8 rows decodes on the native step where one step takes 8 (here: the engine says 16), and
+    through the model's forward where it takes fewer (4: AVX2's head), not in several native steps."""
+    from moeq.nn import engine
+    from moeq.serve import loader
+    from moeq.serve.batch import NativeBatch, TorchBatch
+    from moeq.serve.scheduler import Scheduler
+
+    monkeypatch.setattr(engine.Engine, "max_rows", lambda self: rows)
+    m, tok, _, _ = loader(str(tiny_model), quant="q4_0", batch=8)()
+    sched = Scheduler(m, tok, [], max_batch=8, chunk=256)
+    kinds = set()
+    for kind in (NativeBatch, TorchBatch):
+        real = kind.step
+        monkeypatch.setattr(kind, "step", lambda self, t, real=real: kinds.add(type(self).__name__) or real(self, t))
+    sched.start()
+    try:
+        _run(sched, [[5, 6, 7], [8, 9, 10, 11]], max_tokens=3)
+    finally:
+        sched.stop()
+    assert kinds == ({"NativeBatch"} if rows >= 8 else {"TorchBatch"})

@@ -7,8 +7,8 @@ and (3) runs one decode step for every decoding row — each batch's rows togeth
 all of them in one pass over the routed experts' weights.
 
 Batches (:mod:`moeq.serve.batch`): where the model has moeq's native decode step (every layer and the head native,
-:func:`moeq.nn.engine.install`), batches of up to the step's rows (16) run on it — one C call per step instead of the
-model's Python forward; otherwise one batch runs the model's own forward. Either way rows are left-padded to a common
+:func:`moeq.nn.engine.install`) and one step takes every row the server admits (16 with AVX512-BF16 or AMX tiles), the
+batch runs on it — one C call per step instead of the model's Python forward; otherwise the model's own forward. Either way rows are left-padded to a common
 width; a request joins with its prompt's cache and leaves by dropping its row. A cancelled request (a client that
 went away) leaves at the next step. Models whose cache is not one full-attention layer per decoder layer (sliding
 windows, linear attention) decode row by row instead, each with its own cache — same results, no batching.
@@ -268,8 +268,10 @@ class Scheduler:
             else:
                 from moeq.nn import engine  # noqa: PLC0415
 
+                # one native step must hold every row the server admits: split into several steps, each would read
+                # its rows' experts and the head again (a CPU whose head takes 4 rows natively: the forward wins)
                 eng = engine.current(self.model)
-                self.engine = eng if eng is not None and eng.max_rows() > 0 else None
+                self.engine = eng if eng is not None and eng.max_rows() >= self.max_batch else None
                 log.info("batched decode on %s", "the native decode step" if self.engine else "the model's forward")
         if not self.batched:
             self.alone.append(req)
@@ -278,7 +280,7 @@ class Scheduler:
         if room:
             batch = min(room, key=lambda b: len(b.rows))
         else:
-            batch = (NativeBatch(self.engine, min(self.engine.max_rows(), self.max_batch)) if self.engine is not None
+            batch = (NativeBatch(self.engine, self.max_batch) if self.engine is not None
                      else TorchBatch(self.model, self.max_batch))
             self.batches.append(batch)
         cache, req.cache = req.cache, None
