@@ -37,7 +37,7 @@ def test_native_batch_follows_the_model_through_joins_and_leaves(tiny_model):
     g = torch.Generator().manual_seed(0)
     vocab = m.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 40, 3, 300, 17)]
-    nat, ref = NativeBatch(eng, min(eng.max_rows(), 4)), TorchBatch(m, 8)
+    nat, ref = NativeBatch(eng, min(eng.max_rows(), 4)), TorchBatch(m)
     rows = {}
 
     def join(i):

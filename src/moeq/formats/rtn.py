@@ -59,6 +59,8 @@ GRIDS = tuple(n for n, g in GRID_TABLE.items() if g.symmetric)
 CODEBOOKS = {n: g.table for n, g in GRID_TABLE.items() if g.codebook}  # value = scale * table[code]
 CODEBOOK_BITS = {n: g.bits[0] for n, g in GRID_TABLE.items() if g.codebook}
 MX_GROUP = GRID_TABLE["mxfp4"].group_size  # OCP MX blocks; each scale 2^(e - 128), e in 0..254 (E8M0, NaN excluded)
+# scale dtypes the native kernels read (scale kinds 0-3, ``load_scale`` in moeq.h); fp16 scales take torch
+NATIVE_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 WEIGHTINGS = {"mse": 0, "x2": 1, "row": 2}  # importance of each weight in the scale search (moeq_cb4_search)
 
 
@@ -209,7 +211,8 @@ class RTNWeight(PackedWeight):
         reach = maxq if self.zero is not None else 1 << (self.bits - 1)  # the largest |q - zero|
         if row.codebook:
             reach = max(abs(v) for v in row.table)
-        return out + bad_stats(self.group_scales() if e8m0 else self.scale, "scale", torch.finfo(self.dtype).max / reach)
+        scales = self.group_scales() if e8m0 else self.scale
+        return out + bad_stats(scales, "scale", torch.finfo(self.dtype).max / reach)
 
     def __getitem__(self, idx: int) -> RTNWeight:
         """The weight of one index along the leading (expert) dim, as views."""
@@ -224,8 +227,7 @@ class RTNWeight(PackedWeight):
     def _dequantize_native(self, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
         from moeq import native  # noqa: PLC0415
 
-        if (self.bits not in (4, 5, 8) and self.grid not in CODEBOOKS) or self.scale.dtype not in (
-                torch.bfloat16, torch.float32, torch.int8, torch.uint8):
+        if (self.bits not in (4, 5, 8) and self.grid not in CODEBOOKS) or self.scale.dtype not in NATIVE_SCALE_DTYPES:
             return None
         if self.bits == 5 and self.zero is not None:
             return None

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moeq.formats import Bnb4Weight, Fp8Weight, Int8Weight, RTNWeight
-from moeq.formats.rtn import CODEBOOKS
+from moeq.formats.rtn import CODEBOOKS, NATIVE_SCALE_DTYPES
 from moeq import native
 from moeq.kernels.registry import register
 from moeq.kernels.describe import codebook_of, codebook_tables
@@ -48,7 +48,7 @@ def rtn_gemv(w: RTNWeight, x: torch.Tensor, bias: torch.Tensor | None,
              max_rows: int | None = None) -> torch.Tensor | None:
     m = _rows(w, x, max_rows)
     L = native.lib()
-    if m is None or L is None or w.scale.dtype not in (torch.bfloat16, torch.float32, torch.int8, torch.uint8):
+    if m is None or L is None or w.scale.dtype not in NATIVE_SCALE_DTYPES:
         return None
     if w.bits not in (4, 5, 8) and w.grid not in CODEBOOKS:  # 2/3-bit RTN: dequantize + matmul
         return None

@@ -10,7 +10,7 @@ import torch
 
 from moeq import native
 from moeq.formats import Bnb4Weight, Fp8Weight, PackedWeight, RTNWeight
-from moeq.formats.rtn import CODEBOOK_BITS, CODEBOOKS, grid_values, native_values
+from moeq.formats.rtn import CODEBOOK_BITS, CODEBOOKS, NATIVE_SCALE_DTYPES, grid_values, native_values
 from moeq.kernels.registry import by_format
 from moeq.native import Fmt, WStack
 
@@ -93,8 +93,8 @@ def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bo
     gs = k if w.group_size == -1 else w.group_size
     table = codebook_of(w, gs)
     small = gs == 16 and table is not None  # codebooks at group 16 (AVX512-BF16 rows; AVX2: the 3-bit ones)
-    if (w.bits not in (4, 8) and table is None) or (gs % 32 and not small) or w.scale.dtype not in (
-            torch.bfloat16, torch.float32, torch.int8, torch.uint8) or (w.scale.dtype == torch.uint8 and table is None):
+    if ((w.bits not in (4, 8) and table is None) or (gs % 32 and not small)
+            or w.scale.dtype not in NATIVE_SCALE_DTYPES or (w.scale.dtype == torch.uint8 and table is None)):
         return None
     if (w.scale_super is not None) != (w.scale.dtype == torch.int8) or (
             w.scale_super is not None and table is None):  # int8 scale codes: the codebook rows only

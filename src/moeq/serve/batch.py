@@ -1,5 +1,4 @@
-"""The rows the scheduler decodes together, two ways behind one interface (``rows``, ``room``, ``join``, ``remove``,
-``step``):
+"""The rows the scheduler decodes together, two ways behind one interface (``rows``, ``join``, ``remove``, ``step``):
 
 - :class:`NativeBatch`: moeq's native decode step (:class:`moeq.nn.engine.Engine`, one C call for every layer and the
   head, up to 16 rows) over static KV caches of ``room`` rows; for models whose layers and head all run natively.
@@ -86,7 +85,7 @@ class NativeBatch:
         """Logits ``[B, V]`` of every row's next token after ``tokens`` ``[B]``."""
         if self.S + 1 > self.capacity:
             self._describe(_round_up(2 * (self.S + 1)))
-            self._mask()
+            self._mask()  # a fresh mask for the new capacity
         logits = self.engine.step(self.m, tokens.contiguous(), self.lengths.clone(), self.S + 1, self.mask,
                                   self.state)
         self.S += 1
@@ -95,10 +94,10 @@ class NativeBatch:
 
 
 class TorchBatch:
-    """Up to ``room`` rows through the model's own forward: one left-padded ``DynamicCache``."""
+    """Rows through the model's own forward: one left-padded ``DynamicCache``."""
 
-    def __init__(self, model, room: int):
-        self.model, self.room = model, room
+    def __init__(self, model):
+        self.model = model
         self.rows: list = []
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, S] 1 = real token

@@ -8,8 +8,8 @@ all of them in one pass over the routed experts' weights.
 
 Batches (:mod:`moeq.serve.batch`): where the model has moeq's native decode step (every layer and the head native,
 :func:`moeq.nn.engine.install`) and one step takes every row the server admits (16 with AVX512-BF16 or AMX tiles), the
-batch runs on it — one C call per step instead of the model's Python forward; otherwise the model's own forward. Either way rows are left-padded to a common
-width; a request joins with its prompt's cache and leaves by dropping its row. A cancelled request (a client that
+batch runs on it — one C call per step instead of the model's Python forward; otherwise the model's own forward.
+Either way rows are left-padded to a common width; a request joins with its prompt's cache and leaves by dropping its row. A cancelled request (a client that
 went away) leaves at the next step. Models whose cache is not one full-attention layer per decoder layer (sliding
 windows, linear attention) decode row by row instead, each with its own cache — same results, no batching.
 """
@@ -61,7 +61,7 @@ class Scheduler:
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.admitted: list[Request] = []  # prompts being prefilled
         self.alone: list[Request] = []  # decoding row by row (models whose cache cannot be left-padded)
-        self.batches: list[NativeBatch | TorchBatch] = []  # decoding together
+        self.batch: NativeBatch | TorchBatch | None = None  # decoding together (made at the first join)
         self.batched: bool | None = None  # decided at the first join: False decodes row by row
         self.engine = None  # the native decode step's engine, where the model has one (decided at the first join)
         self.stats = {"steps": 0, "tokens": 0, "prompt_tokens": 0, "last_batch": 0, "max_batch": 0, "requests": 0}
@@ -94,8 +94,9 @@ class Scheduler:
 
     @property
     def rows(self) -> list[Request]:
-        """Every decoding request."""
-        return self.alone + [r for b in self.batches for r in b.rows]
+        """Every decoding request (read by the server's threads too: one read of each attribute)."""
+        alone, batch = self.alone, self.batch
+        return alone + (batch.rows if batch is not None else [])
 
     def depth(self) -> dict:
         return {"waiting": self.waiting.qsize(), "prefilling": len(self.admitted), "decoding": len(self.rows)}
@@ -168,7 +169,7 @@ class Scheduler:
                 log.warning("a decode step failed: %s", e)
                 for r in self.rows:
                     r.emit("error", f"{type(e).__name__}: {e}")
-                self.alone, self.batches = [], []
+                self.alone, self.batch = [], None
             did = True
         return did
 
@@ -176,11 +177,9 @@ class Scheduler:
         for r in [r for r in self.admitted if r.cancelled.is_set()]:
             self.admitted.remove(r)
         self.alone = [r for r in self.alone if not r.cancelled.is_set()]
-        for b in self.batches:
-            gone = [i for i, r in enumerate(b.rows) if r.cancelled.is_set()]
-            if gone:
-                b.remove(gone)
-        self.batches = [b for b in self.batches if b.rows]
+        gone = [i for i, r in enumerate(self.batch.rows) if r.cancelled.is_set()] if self.batch is not None else []
+        if gone:
+            self.batch.remove(gone)
 
     # -- prompts ----------------------------------------------------------------------------------------------------
     def _prompt_group(self) -> list[Request]:
@@ -276,31 +275,27 @@ class Scheduler:
         if not self.batched:
             self.alone.append(req)
             return
-        room = [b for b in self.batches if len(b.rows) < b.room]
-        if room:
-            batch = min(room, key=lambda b: len(b.rows))
-        else:
-            batch = (NativeBatch(self.engine, self.max_batch) if self.engine is not None
-                     else TorchBatch(self.model, self.max_batch))
-            self.batches.append(batch)
+        if self.batch is None:
+            self.batch = NativeBatch(self.engine, self.max_batch) if self.engine is not None else TorchBatch(self.model)
         cache, req.cache = req.cache, None
-        batch.join(req, cache, t)
+        self.batch.join(req, cache, t)
 
     def _decode_step(self) -> None:
         for r in list(self.alone):
             self._decode_alone(r)
-        for batch in list(self.batches):
-            b = len(batch.rows)
-            logits = batch.step(torch.tensor([r.generated[-1] for r in batch.rows], dtype=torch.long))
-            tokens = self._tokens(batch.rows, logits)
-            done = [i for i, (r, t) in enumerate(zip(batch.rows, tokens)) if self._accept(r, t)]
-            self.stats["steps"] += 1
-            self.stats["last_batch"] = b
-            self.stats["max_batch"] = max(self.stats["max_batch"], b)
-            self._recent.append((time.perf_counter(), b))
-            if done:
-                batch.remove(done)
-        self.batches = [b for b in self.batches if b.rows]
+        rows = self.batch.rows if self.batch is not None else []
+        if not rows:
+            return
+        b = len(rows)
+        logits = self.batch.step(torch.tensor([r.generated[-1] for r in rows], dtype=torch.long))
+        tokens = self._tokens(rows, logits)
+        done = [i for i, (r, t) in enumerate(zip(rows, tokens)) if self._accept(r, t)]
+        self.stats["steps"] += 1
+        self.stats["last_batch"] = b
+        self.stats["max_batch"] = max(self.stats["max_batch"], b)
+        self._recent.append((time.perf_counter(), b))
+        if done:
+            self.batch.remove(done)
 
     def _decode_alone(self, r: Request) -> None:
         t = len(r.prompt) + len(r.generated) - 1

@@ -5,7 +5,8 @@
 // Layout of one stack [E, N, K] (N % 16 == 0, K % 64 == 0; symmetric 4-bit: no zero point):
 //   codes  [E][N/16][K/4][16][2]: per 16-row block, per 4-column unit c, per row r: the row-major bytes 2c, 2c + 1 of
 //          that row (elements 4c, 4c+1 and 4c+2, 4c+3) — a pure permutation of 2-byte units of the row-major codes;
-//   scales [E][N/16][G][16] in their kind (fp32, bf16, int8 codes or E8M0 bytes): per block and group, the 16 rows' scales;
+//   scales [E][N/16][G][16] in their kind (fp32, bf16, int8 codes or E8M0 bytes): per block and group, the 16
+//   rows' scales;
 //   scale_super (int8 scale codes) stays [E][N].
 // One widening of a unit's 32 bytes to words gives, in lane r, the row's (element 4c, 4c+2) as low nibbles and
 // (4c+1, 4c+3) as high nibbles: the activations come as those bf16 pairs broadcast (x_to_il16's order), the code
