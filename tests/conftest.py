@@ -33,7 +33,7 @@ def tiny_ckpt(tmp_path_factory):
     cache = {}
 
     def make(model_type, fused_layout=False, **kw):
-        key = (model_type, fused_layout, tuple(sorted(kw.items())))
+        key = (model_type, fused_layout, repr(sorted(kw.items())))  # values may be dicts (rope_parameters)
         if key not in cache:
             d = tmp_path_factory.mktemp(f"{model_type}{'_fused' if fused_layout else ''}")
             cache[key] = make_checkpoint(model_type, d, fused_layout=fused_layout, **kw)

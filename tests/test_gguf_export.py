@@ -116,6 +116,11 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
     assert field(f"{arch}.expert_used_count") == 2 and field("tokenizer.ggml.model") == "gpt2"
     assert len(field("tokenizer.ggml.tokens")) == m.config.vocab_size
 
+    assert_llama_cpp_agrees(path, m, src)
+
+
+def assert_llama_cpp_agrees(path, m, src):
+    """llama.cpp loads the file, tokenizes as transformers does, and computes moeq's logits and greedy tokens."""
     llama = LlamaCpp(path)
     try:
         assert llama.n_vocab == m.config.vocab_size
@@ -194,8 +199,8 @@ def test_gguf_errors(tiny_ckpt, tmp_path):
     o = moeq.load(tiny_ckpt("olmoe"), quant="q4_0", progress=False)
     with pytest.raises(ValueError, match="grouped-query attention"):
         export(o, tmp_path / "x", "gguf", source=tiny_ckpt("olmoe"))
-    d = moeq.load(tiny_ckpt("deepseek_v3"), quant="q4_0", progress=False)
-    with pytest.raises(ValueError, match=r"deepseek_v3: no llama.cpp architecture .* takes mixtral, qwen2_moe"):
+    d = moeq.load(tiny_ckpt("phimoe"), quant="q4_0", progress=False)
+    with pytest.raises(ValueError, match=r"phimoe: no llama.cpp architecture .* takes mixtral, qwen2_moe"):
         export(d, tmp_path / "x", "gguf")
     mx = moeq.load(tiny_ckpt("mixtral"), quant="q4_0", progress=False)
     mx.config._name_or_path = mx.name_or_path = ""

@@ -22,7 +22,7 @@ from moeq.errors import MoeqError
 class GgufFamily:
     """How llama.cpp names and runs a transformers MoE family (the GGUF exporter and reader)."""
     arch: str  # llama.cpp architecture
-    norm_topk: bool  # llama.cpp renormalizes the top-k router weights for this graph
+    norm_topk: bool | None  # llama.cpp renormalizes the top-k router weights for this graph (None: as configured)
     pre: str = "default"  # llama.cpp pre-tokenizer of the family's byte-level BPE tokenizers
     permute_qk: bool = False  # llama.cpp's "llama" graph uses interleaved RoPE: HF q/k rows are permuted to match
 
@@ -99,7 +99,8 @@ _TABLE: tuple[Arch, ...] = (
                     head_dim=32)),
     Arch(("olmoe",), gguf=GgufFamily("olmoe", norm_topk=False, pre="olmo"), rotate=True,
          tiny=_tiny(intermediate_size=128, num_experts=4, num_experts_per_tok=2)),
-    Arch(("deepseek_v3",), notes="MLA projections and shared experts quantized; router + bias kept",
+    Arch(("deepseek_v3",), gguf=GgufFamily("deepseek2", norm_topk=None, pre="deepseek-v3"),
+         notes="MLA projections and shared experts quantized; router + bias kept",
          tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
                     n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=128,
                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)),

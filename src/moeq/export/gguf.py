@@ -33,7 +33,7 @@ from moeq.errors import MoeqError
 from moeq.version import __version__
 
 log = logging.getLogger(__name__)
-SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe and olmoe models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
+SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe and deepseek_v3 (Kimi K2) models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
             "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
 FILE = "model.gguf"
 MOEQ_KEY = "moeq.version"
@@ -218,6 +218,8 @@ class Planner:
             self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape), _ref(ws[0]))
 
     def linear(self, module: str, mod: QuantLinear) -> None:
+        if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj"):
+            return self.mla_kv_b(module, mod.qweight)
         base = self.gguf_name(module)
         make, qtype, note = _packed_stack([mod.qweight])
         self.add(base + ".weight", make, qtype, note, tuple(mod.qweight.shape), _ref(mod.qweight))
@@ -235,10 +237,42 @@ class Planner:
                 self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, "kept", tuple(part.shape))
             return
         module, _, suffix = key.rpartition(".")
+        if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj") and suffix == "weight":
+            return self.mla_kv_b(module, t)
+        if suffix == "e_score_correction_bias":  # llama.cpp's expert-selection bias: blk.N.exp_probs_b.bias
+            module, suffix = module + ".e_score_correction", "bias"
         base = self.gguf_name(module)
         router = base.endswith(("ffn_gate_inp", "ffn_gate_inp_shexp"))
         make, qtype = _plain(t, force_f32=router)  # llama.cpp computes router logits from F32 weights
         self.add(f"{base}.{suffix}", make, qtype, "kept", tuple(t.shape))
+
+
+    def mla_kv_b(self, module: str, w: PackedWeight | torch.Tensor) -> None:
+        """MLA's ``kv_b_proj`` ([heads x (nope + v), kv_lora]) as llama.cpp's absorbed attention reads it (what
+        convert_hf_to_gguf writes): ``attn_v_b`` [heads, v, kv_lora], each head's v rows with their blocks intact, and
+        ``attn_k_b`` [heads, kv_lora, nope], each head's k rows transposed. The transpose crosses the quantization
+        groups, so a quantized kv_b's k part is written as its F32 values (exact: no second rounding)."""
+        cfg = self.cfg
+        heads, nope, v, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if tuple(w.shape) != (heads * (nope + v), rank):
+            raise MoeqError(f"{module}: shape {list(w.shape)} is not [heads x (qk_nope + v), kv_lora_rank] = "
+                            f"[{heads * (nope + v)}, {rank}]")
+        base = self.gguf_name(module)
+        k_name, v_name = base.replace("attn_kv_b", "attn_k_b"), base.replace("attn_kv_b", "attn_v_b")
+        values = w.dequantize(torch.float32) if isinstance(w, PackedWeight) else w.detach()
+        k_rows = lambda: values.view(heads, nope + v, rank)[:, :nope].transpose(1, 2).contiguous()  # noqa: E731
+        if isinstance(w, PackedWeight):
+            make, qtype, note = _packed_stack([w.row_slice(h * (nope + v) + nope, (h + 1) * (nope + v))
+                                               for h in range(heads)])
+            self.add(v_name + ".weight", make, qtype, note, (heads, v, rank),
+                     lambda: values[nope:nope + v].float().numpy())
+            make, qtype = _plain(k_rows().float(), True)
+            self.add(k_name + ".weight", make, qtype, "exact (F32 values: the transpose crosses the groups)",
+                     (heads, rank, nope))
+            return
+        for name, part in ((v_name, values.view(heads, nope + v, rank)[:, nope:].contiguous()), (k_name, k_rows())):
+            make, qtype = _plain(part, False)
+            self.add(name + ".weight", make, qtype, "kept", tuple(part.shape))
 
 
 def _distinct(items):
@@ -292,15 +326,14 @@ def _check(model: nn.Module) -> GgufFamily:
     if mt not in GGUF_FAMILIES:
         raise MoeqError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
     fam = GGUF_FAMILIES[mt]
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    problems = []
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_type={rope.get('rope_type')!r} (only plain RoPE is mapped)")
+    problems = _rope_problems(cfg, fam)
     if getattr(cfg, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={cfg.hidden_act!r} (llama.cpp runs SiLU experts here)")
     ntp = getattr(cfg, "norm_topk_prob", None)
-    if ntp is not None and bool(ntp) != fam.norm_topk:
+    if ntp is not None and fam.norm_topk is not None and bool(ntp) != fam.norm_topk:
         problems.append(f"norm_topk_prob={ntp} (llama.cpp's {fam.arch} graph always uses {fam.norm_topk})")
+    if fam.arch == "deepseek2" and not getattr(cfg, "rope_interleave", True):
+        problems.append("rope_interleave=False (llama.cpp's deepseek2 graph rotates interleaved pairs)")
     if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "mlp_only_layers", None) \
             or getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "clip_qkv", None) is not None:
         problems.append("sliding-window attention, dense layers between MoE layers or clip_qkv")
@@ -312,9 +345,62 @@ def _check(model: nn.Module) -> GgufFamily:
     return fam
 
 
+def _rope_problems(cfg, fam: GgufFamily) -> list[str]:
+    """Plain RoPE maps everywhere; YaRN (DeepSeek-V3, Kimi K2) where llama.cpp's arithmetic equals transformers':
+    deepseek2 with ``mscale == mscale_all_dim`` (transformers' rotary attention factor is then 1 and the softmax scale
+    carries ``mscale_all_dim``, as llama.cpp's ``yarn_log_mul`` does)."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return []
+    if kind != "yarn" or fam.arch != "deepseek2":
+        return [f"rope_type={kind!r} (plain RoPE is mapped, and YaRN for deepseek2)"]
+    msad = rope.get("mscale_all_dim")
+    if not msad or float(rope.get("mscale", 1.0)) != float(msad) or rope.get("attention_factor") is not None \
+            or not rope.get("factor") or not rope.get("original_max_position_embeddings"):
+        return [f"YaRN parameters {rope} (llama.cpp's deepseek2 YaRN needs factor, original_max_position_embeddings "
+                "and mscale == mscale_all_dim, without an explicit attention_factor)"]
+    return []
+
+
+def _rope_hparams(w, cfg) -> None:
+    gguf = gguf_lib()
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    if rope.get("rope_type", "default") != "yarn":
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if rope.get(key) is not None:
+            add(float(rope[key]))
+    w.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))  # llama.cpp's deepseek2 convention
+
+
+def _mla_hparams(w, cfg) -> None:
+    """deepseek2's keys (as convert_hf_to_gguf writes them): MLA as MQA over the compressed latent, the leading
+    dense layers, shared experts, and the sigmoid router with its groups, bias and scale."""
+    gguf = gguf_lib()
+    w.add_head_count_kv(1)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_q_lora_rank(cfg.q_lora_rank or 0)  # 0: a plain q_proj (llama.cpp reads the key unless it guesses "Lite")
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_shared_count(cfg.n_shared_experts or 0)
+    w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+    w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg.n_group or 1)
+    w.add_expert_group_used_count(cfg.topk_group or 1)
+
+
 def _hparams(w, model: nn.Module, p: Planner) -> None:
     cfg, gguf = model.config, p.gguf
-    rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_name(model_name(model))
     w.add_string(MOEQ_KEY, __version__)  # marks the file as moeq's (what --overwrite may replace)
     hf = {k: v for k, v in cfg.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
@@ -324,13 +410,16 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(p.head_dim)
-    w.add_value_length(p.head_dim)
-    w.add_rope_dimension_count(p.head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    if p.fam.arch == "deepseek2":
+        _mla_hparams(w, cfg)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.head_dim)
+        w.add_rope_dimension_count(p.head_dim)
+    _rope_hparams(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    n_exp = getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_experts
     w.add_expert_count(n_exp)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(p.inter or getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))

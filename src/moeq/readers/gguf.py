@@ -77,8 +77,18 @@ _FROM_GGUF = {  # model_type -> its own fields
                   "shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
     "olmoe": {"num_experts": "expert_count",
               "intermediate_size": ("expert_feed_forward_length", "feed_forward_length")},
+    "deepseek_v3": {"n_routed_experts": "expert_count", "moe_intermediate_size": "expert_feed_forward_length",
+                    "intermediate_size": "feed_forward_length", "n_shared_experts": "expert_shared_count",
+                    "first_k_dense_replace": "leading_dense_block_count", "kv_lora_rank": "attention.kv_lora_rank",
+                    "q_lora_rank": "attention.q_lora_rank", "qk_rope_head_dim": "rope.dimension_count",
+                    "v_head_dim": "attention.value_length_mla", "routed_scaling_factor": "expert_weights_scale",
+                    "norm_topk_prob": "expert_weights_norm", "n_group": "expert_group_count",
+                    "topk_group": "expert_group_used_count"},
 }
-_OPTIONAL = {"max_position_embeddings", "rms_norm_eps", "shared_expert_intermediate_size"}
+_OPTIONAL = {"max_position_embeddings", "rms_norm_eps", "shared_expert_intermediate_size", "q_lora_rank",
+             "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group"}
+# deepseek2's YaRN keys (convert_hf_to_gguf's DeepSeek-V3 / Kimi K2 files); any other rope scaling is refused
+_YARN_KEYS = ("type", "factor", "original_context_length", "yarn_log_multiplier", "yarn_beta_fast", "yarn_beta_slow")
 
 
 def _field(reader, key: str):
@@ -101,8 +111,15 @@ def config_from_metadata(reader, path: Path):
         raise MoeqError(f"{path}: GGUF architecture {arch!r}{' without experts' if mt else ''} is not one moeq maps "
                         f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in GGUF_FAMILIES.items())}); run it with "
                         "llama.cpp")
-    unsupported = [k for k in reader.fields if k.startswith(f"{arch}.rope.scaling.") or k.endswith(".sliding_window")
-                   or k.startswith(f"{arch}.attention.sliding_window") or k == f"{arch}.leading_dense_block_count"]
+    mla = mt == "deepseek_v3"
+    unsupported = [k for k in reader.fields if (k.startswith(f"{arch}.rope.scaling.") and not (
+        mla and k.split("rope.scaling.")[1] in _YARN_KEYS)) or k.endswith(".sliding_window")
+        or k.startswith(f"{arch}.attention.sliding_window") or (k == f"{arch}.leading_dense_block_count" and not mla)]
+    if mla and _field(reader, f"{arch}.expert_gating_func") != 2:
+        unsupported.append(f"{arch}.expert_gating_func={_field(reader, f'{arch}.expert_gating_func')} (sigmoid, 2, "
+                           "is DeepSeek-V3's router)")
+    if mla and not _field(reader, f"{arch}.attention.key_length_mla"):
+        unsupported.append(f"{arch}.attention.key_length_mla missing (a pre-MLA file with attn_kv_b whole)")
     if unsupported:
         raise MoeqError(f"{path}: {', '.join(unsupported)}: not expressible in the transformers {mt} model moeq "
                         "builds; run it with llama.cpp")
@@ -116,7 +133,13 @@ def config_from_metadata(reader, path: Path):
             d[field] = v
     heads = d["num_attention_heads"]
     head_dim = _field(reader, f"{arch}.attention.key_length") or d["hidden_size"] // heads
-    if mt != "mixtral" or head_dim != d["hidden_size"] // heads:
+    if mla:  # MLA as llama.cpp's MQA over the latent: transformers' heads are the decompressed ones
+        d["num_key_value_heads"] = heads
+        d["qk_nope_head_dim"] = _field(reader, f"{arch}.attention.key_length_mla") - d["qk_rope_head_dim"]
+        d["q_lora_rank"] = d.get("q_lora_rank") or None
+        d["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
+        d.setdefault("routed_scaling_factor", 1.0)
+    elif mt != "mixtral" or head_dim != d["hidden_size"] // heads:
         d["head_dim"] = head_dim
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     d["vocab_size"] = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
@@ -124,6 +147,18 @@ def config_from_metadata(reader, path: Path):
         raise MoeqError(f"{path}: neither {arch}.vocab_size nor a token list says the vocabulary size")
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base")
                                                                         or 10000.0)}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "yarn" or not all(_field(reader, f"{arch}.rope.scaling.{k}") for k in _YARN_KEYS[1:4]):
+            raise MoeqError(f"{path}: {arch}.rope.scaling.type={scaling!r} without the YaRN factor, original context "
+                            "length and log multiplier moeq maps (DeepSeek-V3's YaRN); run it with llama.cpp")
+        msad = 10.0 * float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier") or 0.0)  # its 0.1 x mscale
+        d["rope_parameters"].update(
+            rope_type="yarn", factor=float(_field(reader, f"{arch}.rope.scaling.factor")), mscale=msad,
+            mscale_all_dim=msad, original_max_position_embeddings=int(
+                _field(reader, f"{arch}.rope.scaling.original_context_length")),
+            **{k: float(v) for k in ("beta_fast", "beta_slow")
+               if (v := _field(reader, f"{arch}.rope.scaling.yarn_{k}")) is not None})
     d["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     if mt in ("qwen3_moe", "qwen2_moe", "olmoe"):
         d["norm_topk_prob"] = GGUF_FAMILIES[mt].norm_topk
@@ -203,6 +238,17 @@ def _rtn_weight(qdata: torch.Tensor, heads: torch.Tensor, e8m0: bool, bits: int,
                      grid=grid, shape=tuple(shape), dtype=torch.bfloat16).validate(name)
 
 
+def _join_kv_b(parts: dict[str, torch.Tensor], cfg, name: str) -> torch.Tensor:
+    """MLA's kv_b_proj [heads x (nope + v), kv_lora] from llama.cpp's attn_k_b [heads, kv_lora, nope] and attn_v_b
+    [heads, v, kv_lora] (decoded values; kept dense in the compute dtype, as the split crossed its groups)."""
+    heads, nope, v, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    k, val = parts["k"], parts["v"]
+    if tuple(k.shape) != (heads, rank, nope) or tuple(val.shape) != (heads, v, rank):
+        raise MoeqError(f"{name}: attn_k_b {list(k.shape)} / attn_v_b {list(val.shape)} are not [{heads}, {rank}, "
+                        f"{nope}] / [{heads}, {v}, {rank}]")
+    return torch.cat([k.transpose(1, 2), val], dim=1).reshape(heads * (nope + v), rank)
+
+
 def _check_tiling(file: Path, reader) -> None:
     """Tensor data ranges must lie inside the file and not overlap (an offset aimed at another tensor's bytes would
     silently duplicate it): GGUF has no such check of its own."""
@@ -244,13 +290,19 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             for kind in ("gate", "up", "down"):
                 targets[f"blk.{il}.ffn_{kind}_exps.weight"] = ("experts." + kind, name)
             continue
-        for pname, _ in list(mod.named_parameters(recurse=False)):
-            base = planner.names.get_name(name)
-            if base is not None:
+        base = planner.names.get_name(name)
+        if base is not None and fam.arch == "deepseek2" and name.endswith(".kv_b_proj"):
+            for part in ("k", "v"):  # the exporter's split of MLA's kv_b (Planner.mla_kv_b), joined again below
+                targets[base.replace("attn_kv_b", f"attn_{part}_b") + ".weight"] = (f"mla.{part}", f"{name}.weight")
+            continue
+        for pname, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if pname == "e_score_correction_bias":  # llama.cpp's expert-selection bias
+                targets[f"{planner.names.get_name(name + '.e_score_correction')}.bias"] = ("plain", f"{name}.{pname}")
+            elif base is not None:
                 targets[f"{base}.{pname}"] = ("linear" if isinstance(mod, nn.Linear) else "plain", f"{name}.{pname}")
     _check_tiling(file, reader)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    seen = set()
+    seen, mla = set(), {}
     for t in reader.tensors:
         if t.name not in targets:
             raise MoeqError(f"{file}: tensor {t.name} has no place in the {config.model_type} model")
@@ -270,7 +322,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
                 data.nbytes != math.prod(logical[:-1]) * (logical[-1] // block) * per):
             raise MoeqError(f"{file}: tensor {t.name}: {data.nbytes} bytes of {qtype} do not hold shape "
                             f"{list(logical)}")
-        packed = qtype in PACKED
+        packed = qtype in PACKED and not kind.startswith("mla.")
         if packed and kind.startswith("experts."):  # a layer's experts are packed only all together (llama.cpp's
             blk = t.name.split(".ffn_")[0]           # mixes may give down another type than gate/up)
             gate, up, down = (types.get(f"{blk}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
@@ -295,7 +347,13 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             tensor = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
             if not torch.isfinite(tensor).all():
                 raise MoeqError(f"{file}: tensor {t.name}: its {qtype} blocks decode to non-finite values")
-        tensor = tensor.reshape(logical).to(dtype)
+        tensor = tensor.reshape(logical)
+        if kind.startswith("mla."):
+            mla.setdefault(hf, {})[kind[4:]] = tensor.float()
+            if len(mla[hf]) == 2:
+                set_tensor(model, hf, _join_kv_b(mla.pop(hf), config, hf).to(dtype), t.name)
+            continue
+        tensor = tensor.to(dtype)
         if kind.startswith("experts."):
             for e in range(logical[0]):
                 state.builders[hf].put(e, kind.split(".")[1], tensor[e], t.name)
