@@ -143,6 +143,20 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {a.model_types[0]: a.gguf for a in _TABLE
 ROTATABLE: tuple[str, ...] = tuple(mt for a in _TABLE if a.rotate for mt in a.model_types)
 
 
+def mtp_keys(config: PretrainedConfig, keys) -> list[str]:
+    """The checkpoint keys of multi-token-prediction (NextN) layers, which the transformers model does not run (it
+    ignores them on load): DeepSeek-V3 / Kimi K2 / GLM-4.5 store them as ``model.layers.{i}`` past
+    ``num_hidden_layers`` when ``num_nextn_predict_layers`` is set, Qwen3-Next under ``mtp.``."""
+    n_layers = getattr(config, "num_hidden_layers", None)
+    extra = re.compile(r"^model\.layers\.(\d+)\.") if getattr(config, "num_nextn_predict_layers", 0) else None
+    out = []
+    for k in keys:
+        m = extra.match(k) if extra is not None and n_layers is not None else None
+        if (m and int(m[1]) >= n_layers) or (getattr(config, "model_type", "") == "qwen3_next" and k.startswith("mtp.")):
+            out.append(k)
+    return out
+
+
 def tiny_configs(dense: bool = False) -> dict[str, dict]:
     """``{model_type: tiny config}`` of every MoE family (``dense``: of the dense families) with one."""
     return {a.model_types[0]: {k: list(v) if isinstance(v, tuple) else v for k, v in a.tiny}

@@ -15,16 +15,20 @@ Adding a checkpoint kind: ``readers/<kind>.py`` with its ``claims`` and ``read``
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from moeq.arch import mtp_keys
 from moeq.errors import MoeqError
 from moeq.io.safetensors_io import Checkpoint
 from moeq.readers import bnb, compressed_tensors, fp8, gguf, gptq, mxfp4, saved, source
 from moeq.readers.state import read_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -39,6 +43,7 @@ class Found:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     sink: object = None  # a :class:`~moeq.readers.state.Sink` taking each finished layer (streaming readers only)
     importance: object = None  # a :class:`~moeq.importance.Importance` for the quantizer (readers that quantize)
+    skipped: int = 0  # multi-token-prediction tensors left unread (the model does not run them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +73,19 @@ def inspect(path: Path, device: torch.device) -> Found:
         return Found(path, gguf_file=g, device=device)
     ckpt = Checkpoint(path)
     config = read_config(path)
+    mtp = mtp_keys(config, ckpt.tensors)
+    if mtp:  # never read: transformers' model has no place for them (the multi-token-prediction head)
+        log.info("%s: skipping %d multi-token-prediction tensor(s) (%s, ...): the model does not run them", path,
+                 len(mtp), mtp[0])
+        for k in mtp:
+            del ckpt.tensors[k]
+    found_mtp = len(mtp)
     qc = getattr(config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict() if callable(getattr(qc, "to_dict", None)) else qc
     if qc is not None and not isinstance(qc, dict):
         raise MoeqError(f"{path}/config.json: quantization_config must be an object, got {type(qc).__name__}")
-    return Found(path, ckpt=ckpt, config=config, qc=qc or None, device=device)
+    return Found(path, ckpt=ckpt, config=config, qc=qc or None, device=device, skipped=found_mtp)
 
 
 def claim(found: Found) -> Reader:
@@ -142,6 +154,8 @@ def describe(path: Path) -> dict:
         out.update(bits=bits, group_size=gs, quantized_weights=len(gptq.groups(found.ckpt)[0]))
     if found.ckpt is not None:
         out["tensors"] = len(found.ckpt.tensors)
+    if found.skipped:
+        out["skipped_mtp_tensors"] = found.skipped
     without, with_method = SOURCE_ACTIONS.get(name, ("refused", "refused"))
     out["without_method"], out["with_method"] = without, with_method
     return out
