@@ -129,6 +129,7 @@ _TABLE: tuple[Arch, ...] = (
          tiny=_tiny(intermediate_size=128, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
                     head_dim=32, interleave_moe_layer_step=1)),
     Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss", per_expert_on_disk=False,
+         gguf=GgufFamily("gpt-oss", norm_topk=None, pre="gpt-4o"),
          notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept",
          tiny=_tiny(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                     sliding_window=64, layer_types=("sliding_attention", "full_attention"))),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeq.arch import GGUF_FAMILIES, Arch, GgufFamily
+from moeq.arch import ARCHS, GGUF_FAMILIES, Arch, GgufFamily
 from moeq.export.common import expert_pieces, quantized_modules
 from moeq.formats import PackedWeight, RTNWeight
 from moeq.formats.grids import GRIDS
@@ -33,7 +33,7 @@ from moeq.errors import MoeqError
 from moeq.version import __version__
 
 log = logging.getLogger(__name__)
-SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe and deepseek_v3 (Kimi K2) models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
+SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 (Kimi K2) and gpt_oss models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
             "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
 FILE = "model.gguf"
 MOEQ_KEY = "moeq.version"
@@ -164,7 +164,8 @@ class Planner:
         gguf = gguf_lib()
         cfg = model.config
         self.gguf, self.cfg, self.fam = gguf, cfg, fam
-        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[fam.arch.upper()], cfg.num_hidden_layers)
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == fam.arch)  # "gpt-oss": GPT_OSS
+        self.names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.plan: list[Planned] = []
         self.inter: int | None = None  # the experts' intermediate size, once an experts module is planned
@@ -206,8 +207,8 @@ class Planner:
                                  tuple(logical), ref))
 
     def experts(self, module: str, mod: QuantExperts) -> None:
-        if mod.b13 is not None:
-            raise MoeqError(f"{module}: experts with biases have no llama.cpp form")
+        if mod.b13 is not None and self.fam.arch != "gpt-oss":
+            raise MoeqError(f"{module}: experts with biases have no llama.cpp {self.fam.arch} form")
         il = int(_LAYER.search(module + ".").group(1))
         pieces: dict[str, list[PackedWeight]] = {"gate": [], "up": [], "down": []}
         for _, kind, w in expert_pieces(mod):
@@ -216,6 +217,11 @@ class Planner:
         for kind, ws in pieces.items():
             make, qtype, note = _packed_stack(ws)
             self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape), _ref(ws[0]))
+        if mod.b13 is not None:  # gpt-oss: [E, 2I] gate-then-up (moeq's order), [E, H]
+            i = mod.intermediate_dim
+            for kind, b in (("gate", mod.b13[:, :i]), ("up", mod.b13[:, i:]), ("down", mod.b2)):
+                make, qtype = _plain(b, True)
+                self.add(f"blk.{il}.ffn_{kind}_exps.bias", make, qtype, "kept", tuple(b.shape))
 
     def linear(self, module: str, mod: QuantLinear) -> None:
         if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj"):
@@ -228,14 +234,25 @@ class Planner:
             self.add(base + ".bias", make, qtype, "kept", tuple(mod.bias.shape))
 
     def plain(self, key: str, t: torch.Tensor) -> None:
-        m = re.match(r"^(?P<mod>.+\.experts)\.(?P<p>gate_up_proj|down_proj)$", key)
-        if m:  # experts kept in the compute dtype: transformers' fused [E, 2I, H] / [E, H, I]
-            il = int(_LAYER.search(key).group(1))
-            halves = {"down": t} if m["p"] == "down_proj" else dict(zip(("gate", "up"), t.chunk(2, dim=1)))
+        m = re.match(r"^(?P<mod>.+\.experts)\.(?P<p>gate_up_proj|down_proj)(?P<bias>_bias)?$", key)
+        if m:  # experts kept in the compute dtype, in the family's fused layout (transposed / interleaved: gpt-oss)
+            il, arch = int(_LAYER.search(key).group(1)), ARCHS[self.cfg.model_type]
+            if arch.transposed and not m["bias"]:
+                t = t.transpose(1, 2)  # -> [E, 2I, H] / [E, H, I]
+            if m["p"] == "down_proj":
+                halves = {"down": t}
+            elif arch.interleaved:
+                halves = {"gate": t[:, 0::2], "up": t[:, 1::2]}
+            else:
+                halves = dict(zip(("gate", "up"), t.chunk(2, dim=1)))
             for kind, part in halves.items():
-                make, qtype = _plain(part, False)
-                self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, "kept", tuple(part.shape))
+                make, qtype = _plain(part.contiguous(), bool(m["bias"]))
+                self.add(f"blk.{il}.ffn_{kind}_exps.{'bias' if m['bias'] else 'weight'}", make, qtype, "kept",
+                         tuple(part.shape))
             return
+        if key.endswith(".self_attn.sinks"):  # gpt-oss' per-head attention sinks: blk.N.attn_sinks.weight
+            make, qtype = _plain(t, True)
+            return self.add(self.gguf_name(key) + ".weight", make, qtype, "kept", tuple(t.shape))
         module, _, suffix = key.rpartition(".")
         if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj") and suffix == "weight":
             return self.mla_kv_b(module, t)
@@ -327,11 +344,18 @@ def _check(model: nn.Module) -> GgufFamily:
         raise MoeqError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
     fam = GGUF_FAMILIES[mt]
     problems = _rope_problems(cfg, fam)
-    if getattr(cfg, "hidden_act", "silu") != "silu":
+    if getattr(cfg, "hidden_act", "silu") != "silu" and fam.arch != "gpt-oss":
         problems.append(f"hidden_act={cfg.hidden_act!r} (llama.cpp runs SiLU experts here)")
     ntp = getattr(cfg, "norm_topk_prob", None)
     if ntp is not None and fam.norm_topk is not None and bool(ntp) != fam.norm_topk:
         problems.append(f"norm_topk_prob={ntp} (llama.cpp's {fam.arch} graph always uses {fam.norm_topk})")
+    if fam.arch == "gpt-oss":
+        want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_hidden_layers)]
+        if list(getattr(cfg, "layer_types", None) or want) != want:
+            problems.append("layer_types other than sliding/full alternating from layer 0 (llama.cpp's gpt-oss "
+                            "pattern)")
+        if float(getattr(cfg, "swiglu_limit", 7.0)) != 7.0:
+            problems.append(f"swiglu_limit={cfg.swiglu_limit} (llama.cpp's gpt-oss clamps at 7.0)")
     if fam.arch == "deepseek2" and not getattr(cfg, "rope_interleave", True):
         problems.append("rope_interleave=False (llama.cpp's deepseek2 graph rotates interleaved pairs)")
     if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "mlp_only_layers", None) \
@@ -353,8 +377,14 @@ def _rope_problems(cfg, fam: GgufFamily) -> list[str]:
     kind = rope.get("rope_type", "default")
     if kind == "default":
         return []
-    if kind != "yarn" or fam.arch != "deepseek2":
-        return [f"rope_type={kind!r} (plain RoPE is mapped, and YaRN for deepseek2)"]
+    if kind != "yarn" or fam.arch not in ("deepseek2", "gpt-oss"):
+        return [f"rope_type={kind!r} (plain RoPE is mapped, and YaRN for deepseek2 and gpt-oss)"]
+    if fam.arch == "gpt-oss":  # llama.cpp's plain YaRN: attention factor 0.1 ln(factor) + 1, as transformers'
+        if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("attention_factor") is not None \
+                or not rope.get("factor") or not rope.get("original_max_position_embeddings"):
+            return [f"YaRN parameters {rope} (llama.cpp's gpt-oss YaRN takes factor, original_max_position_embeddings "
+                    "and beta_fast/beta_slow only)"]
+        return []
     msad = rope.get("mscale_all_dim")
     if not msad or float(rope.get("mscale", 1.0)) != float(msad) or rope.get("attention_factor") is not None \
             or not rope.get("factor") or not rope.get("original_max_position_embeddings"):
@@ -375,7 +405,8 @@ def _rope_hparams(w, cfg) -> None:
     for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
         if rope.get(key) is not None:
             add(float(rope[key]))
-    w.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))  # llama.cpp's deepseek2 convention
+    if rope.get("mscale_all_dim"):
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))  # llama.cpp's deepseek2 convention
 
 
 def _mla_hparams(w, cfg) -> None:
@@ -423,6 +454,8 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_expert_count(n_exp)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(p.inter or getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
+    if p.fam.arch == "gpt-oss":
+        w.add_sliding_window(cfg.sliding_window)
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)

@@ -84,6 +84,8 @@ _FROM_GGUF = {  # model_type -> its own fields
                     "v_head_dim": "attention.value_length_mla", "routed_scaling_factor": "expert_weights_scale",
                     "norm_topk_prob": "expert_weights_norm", "n_group": "expert_group_count",
                     "topk_group": "expert_group_used_count"},
+    "gpt_oss": {"num_local_experts": "expert_count", "intermediate_size": "expert_feed_forward_length",
+                "sliding_window": "attention.sliding_window"},
 }
 _OPTIONAL = {"max_position_embeddings", "rms_norm_eps", "shared_expert_intermediate_size", "q_lora_rank",
              "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group"}
@@ -111,10 +113,11 @@ def config_from_metadata(reader, path: Path):
         raise MoeqError(f"{path}: GGUF architecture {arch!r}{' without experts' if mt else ''} is not one moeq maps "
                         f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in GGUF_FAMILIES.items())}); run it with "
                         "llama.cpp")
-    mla = mt == "deepseek_v3"
+    mla, oss = mt == "deepseek_v3", mt == "gpt_oss"
     unsupported = [k for k in reader.fields if (k.startswith(f"{arch}.rope.scaling.") and not (
-        mla and k.split("rope.scaling.")[1] in _YARN_KEYS)) or k.endswith(".sliding_window")
-        or k.startswith(f"{arch}.attention.sliding_window") or (k == f"{arch}.leading_dense_block_count" and not mla)]
+        (mla or oss) and k.split("rope.scaling.")[1] in _YARN_KEYS)) or (k.endswith(".sliding_window") and not oss)
+        or (k.startswith(f"{arch}.attention.sliding_window") and not oss)
+        or (k == f"{arch}.leading_dense_block_count" and not mla)]
     if mla and _field(reader, f"{arch}.expert_gating_func") != 2:
         unsupported.append(f"{arch}.expert_gating_func={_field(reader, f'{arch}.expert_gating_func')} (sigmoid, 2, "
                            "is DeepSeek-V3's router)")
@@ -149,16 +152,23 @@ def config_from_metadata(reader, path: Path):
                                                                         or 10000.0)}
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        if scaling != "yarn" or not all(_field(reader, f"{arch}.rope.scaling.{k}") for k in _YARN_KEYS[1:4]):
-            raise MoeqError(f"{path}: {arch}.rope.scaling.type={scaling!r} without the YaRN factor, original context "
-                            "length and log multiplier moeq maps (DeepSeek-V3's YaRN); run it with llama.cpp")
-        msad = 10.0 * float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier") or 0.0)  # its 0.1 x mscale
+        needed = _YARN_KEYS[1:4] if mla else _YARN_KEYS[1:3]
+        if scaling != "yarn" or not all(_field(reader, f"{arch}.rope.scaling.{k}") for k in needed):
+            raise MoeqError(f"{path}: {arch}.rope.scaling.type={scaling!r} without the YaRN {', '.join(needed)} moeq "
+                            "maps; run it with llama.cpp")
         d["rope_parameters"].update(
-            rope_type="yarn", factor=float(_field(reader, f"{arch}.rope.scaling.factor")), mscale=msad,
-            mscale_all_dim=msad, original_max_position_embeddings=int(
-                _field(reader, f"{arch}.rope.scaling.original_context_length")),
+            rope_type="yarn", factor=float(_field(reader, f"{arch}.rope.scaling.factor")),
+            original_max_position_embeddings=int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
             **{k: float(v) for k in ("beta_fast", "beta_slow")
                if (v := _field(reader, f"{arch}.rope.scaling.yarn_{k}")) is not None})
+        if mla:  # DeepSeek's mscale pair, as 0.1 x mscale_all_dim
+            msad = 10.0 * float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"))
+            d["rope_parameters"].update(mscale=msad, mscale_all_dim=msad)
+        if oss:  # gpt-oss' YaRN as it ships (transformers' default would round the correction range)
+            d["rope_parameters"]["truncate"] = False
+    if oss:  # llama.cpp's gpt-oss pattern: sliding-window attention on even layers
+        d["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(d["num_hidden_layers"])]
     d["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     if mt in ("qwen3_moe", "qwen2_moe", "olmoe"):
         d["norm_topk_prob"] = GGUF_FAMILIES[mt].norm_topk
@@ -289,6 +299,8 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             il = int(name.split(".layers.")[1].split(".")[0])
             for kind in ("gate", "up", "down"):
                 targets[f"blk.{il}.ffn_{kind}_exps.weight"] = ("experts." + kind, name)
+                if state.builders[name].has_bias:  # gpt-oss
+                    targets[f"blk.{il}.ffn_{kind}_exps.bias"] = ("bias." + kind, name)
             continue
         base = planner.names.get_name(name)
         if base is not None and fam.arch == "deepseek2" and name.endswith(".kv_b_proj"):
@@ -296,13 +308,15 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
                 targets[base.replace("attn_kv_b", f"attn_{part}_b") + ".weight"] = (f"mla.{part}", f"{name}.weight")
             continue
         for pname, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-            if pname == "e_score_correction_bias":  # llama.cpp's expert-selection bias
+            if pname == "sinks":  # gpt-oss' attention sinks
+                targets[f"{planner.names.get_name(name + '.sinks')}.weight"] = ("plain", f"{name}.{pname}")
+            elif pname == "e_score_correction_bias":  # llama.cpp's expert-selection bias
                 targets[f"{planner.names.get_name(name + '.e_score_correction')}.bias"] = ("plain", f"{name}.{pname}")
             elif base is not None:
                 targets[f"{base}.{pname}"] = ("linear" if isinstance(mod, nn.Linear) else "plain", f"{name}.{pname}")
     _check_tiling(file, reader)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    seen, mla = set(), {}
+    seen, mla, biases = set(), {}, {}
     for t in reader.tensors:
         if t.name not in targets:
             raise MoeqError(f"{file}: tensor {t.name} has no place in the {config.model_type} model")
@@ -348,6 +362,17 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
             if not torch.isfinite(tensor).all():
                 raise MoeqError(f"{file}: tensor {t.name}: its {qtype} blocks decode to non-finite values")
         tensor = tensor.reshape(logical)
+        if kind.startswith("bias."):  # the experts' biases, in the family's fused layout (gpt-oss: interleaved)
+            got = biases.setdefault(hf, {})
+            got[kind[5:]] = tensor.to(dtype)
+            if "down" in got:
+                state.builders[hf].put_bias("down_proj", got.pop("down"), t.name)
+            if "gate" in got and "up" in got:
+                gate, up = got.pop("gate"), got.pop("up")
+                fused = torch.stack([gate, up], -1).flatten(-2) if arch.interleaved else torch.cat([gate, up], -1)
+                state.builders[hf].put_bias("gate_up_proj", fused, t.name)
+            state.build_if_complete(hf)
+            continue
         if kind.startswith("mla."):
             mla.setdefault(hf, {})[kind[4:]] = tensor.float()
             if len(mla[hf]) == 2:

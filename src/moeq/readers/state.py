@@ -300,6 +300,7 @@ class LoadState:
         if not b.built and not b.missing():
             install_experts(self.model, mod, b.build(), b.arch)
             release_memory()
+            self._settle(mod + ".down_proj")  # its layer may be complete now (experts read last: MXFP4 stacks)
 
     def route(self, key: str) -> None:
         """One plain tensor of the checkpoint: an expert piece (quantized at once), a linear's weight (quantized) or
