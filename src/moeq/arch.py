@@ -104,7 +104,7 @@ _TABLE: tuple[Arch, ...] = (
          tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
                     n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=128,
                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)),
-    Arch(("glm4_moe",), notes="GLM-4.5 (DeepSeek-style routing): shared experts quantized; router and its "
+    Arch(("glm4_moe",), gguf=GgufFamily("glm4moe", norm_topk=None, pre="glm4"), notes="GLM-4.5 (DeepSeek-style routing): shared experts quantized; router and its "
                               "e_score_correction_bias kept; the first dense layers' MLPs quantized as linears",
          tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
                     n_shared_experts=1, first_k_dense_replace=1, head_dim=32, n_group=1, topk_group=1)),

@@ -33,7 +33,7 @@ from moeq.errors import MoeqError
 from moeq.version import __version__
 
 log = logging.getLogger(__name__)
-SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 (Kimi K2) and gpt_oss models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
+SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 (Kimi K2), glm4_moe and gpt_oss models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
             "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
 FILE = "model.gguf"
 MOEQ_KEY = "moeq.version"
@@ -412,7 +412,6 @@ def _rope_hparams(w, cfg) -> None:
 def _mla_hparams(w, cfg) -> None:
     """deepseek2's keys (as convert_hf_to_gguf writes them): MLA as MQA over the compressed latent, the leading
     dense layers, shared experts, and the sigmoid router with its groups, bias and scale."""
-    gguf = gguf_lib()
     w.add_head_count_kv(1)
     w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.kv_lora_rank)
@@ -421,11 +420,17 @@ def _mla_hparams(w, cfg) -> None:
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     w.add_q_lora_rank(cfg.q_lora_rank or 0)  # 0: a plain q_proj (llama.cpp reads the key unless it guesses "Lite")
     w.add_kv_lora_rank(cfg.kv_lora_rank)
+    _sigmoid_router_hparams(w, cfg)
+
+
+def _sigmoid_router_hparams(w, cfg) -> None:
+    """DeepSeek-style MoE (deepseek2, glm4moe): leading dense layers, shared experts, and the sigmoid router with its
+    expert-selection bias, groups, scale and renormalization."""
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     w.add_expert_shared_count(cfg.n_shared_experts or 0)
     w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
     w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_gating_func(gguf_lib().ExpertGatingFuncType.SIGMOID)
     w.add_expert_group_count(cfg.n_group or 1)
     w.add_expert_group_used_count(cfg.topk_group or 1)
 
@@ -447,7 +452,10 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
         w.add_head_count_kv(cfg.num_key_value_heads)
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
-        w.add_rope_dimension_count(p.head_dim)
+        rope = getattr(cfg, "rope_parameters", None) or {}  # GLM-4.5 rotates the first half of each head
+        w.add_rope_dimension_count(int(p.head_dim * float(rope.get("partial_rotary_factor", 1.0))))
+    if p.fam.arch == "glm4moe":
+        _sigmoid_router_hparams(w, cfg)
     _rope_hparams(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     n_exp = getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_experts

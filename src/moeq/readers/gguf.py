@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,11 @@ _FROM_GGUF = {  # model_type -> its own fields
                     "v_head_dim": "attention.value_length_mla", "routed_scaling_factor": "expert_weights_scale",
                     "norm_topk_prob": "expert_weights_norm", "n_group": "expert_group_count",
                     "topk_group": "expert_group_used_count"},
+    "glm4_moe": {"n_routed_experts": "expert_count", "moe_intermediate_size": "expert_feed_forward_length",
+                 "intermediate_size": "feed_forward_length", "n_shared_experts": "expert_shared_count",
+                 "first_k_dense_replace": "leading_dense_block_count", "routed_scaling_factor": "expert_weights_scale",
+                 "norm_topk_prob": "expert_weights_norm", "n_group": "expert_group_count",
+                 "topk_group": "expert_group_used_count"},
     "gpt_oss": {"num_local_experts": "expert_count", "intermediate_size": "expert_feed_forward_length",
                 "sliding_window": "attention.sliding_window"},
 }
@@ -113,12 +119,13 @@ def config_from_metadata(reader, path: Path):
         raise MoeqError(f"{path}: GGUF architecture {arch!r}{' without experts' if mt else ''} is not one moeq maps "
                         f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in GGUF_FAMILIES.items())}); run it with "
                         "llama.cpp")
-    mla, oss = mt == "deepseek_v3", mt == "gpt_oss"
+    mla, oss, glm = mt == "deepseek_v3", mt == "gpt_oss", mt == "glm4_moe"
     unsupported = [k for k in reader.fields if (k.startswith(f"{arch}.rope.scaling.") and not (
         (mla or oss) and k.split("rope.scaling.")[1] in _YARN_KEYS)) or (k.endswith(".sliding_window") and not oss)
         or (k.startswith(f"{arch}.attention.sliding_window") and not oss)
-        or (k == f"{arch}.leading_dense_block_count" and not mla)]
-    if mla and _field(reader, f"{arch}.expert_gating_func") != 2:
+        or (k == f"{arch}.leading_dense_block_count" and not (mla or glm))]
+    if (mla or (glm and _field(reader, f"{arch}.expert_gating_func") is not None)) \
+            and _field(reader, f"{arch}.expert_gating_func") != 2:
         unsupported.append(f"{arch}.expert_gating_func={_field(reader, f'{arch}.expert_gating_func')} (sigmoid, 2, "
                            "is DeepSeek-V3's router)")
     if mla and not _field(reader, f"{arch}.attention.key_length_mla"):
@@ -144,12 +151,26 @@ def config_from_metadata(reader, path: Path):
         d.setdefault("routed_scaling_factor", 1.0)
     elif mt != "mixtral" or head_dim != d["hidden_size"] // heads:
         d["head_dim"] = head_dim
+    if glm:  # GLM-4.5: qk-norm, q/k/v biases and the rotated share of each head, from what the file holds
+        d["use_qk_norm"] = any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors)
+        d["attention_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+        d["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
+        d.setdefault("routed_scaling_factor", 1.0)
+    nextn = _field(reader, f"{arch}.nextn_predict_layers") or 0
+    if nextn:  # the converter appends the multi-token-prediction layers as the last blocks: not run (skipped)
+        if not isinstance(nextn, int) or not 0 < nextn < int(d["num_hidden_layers"]):
+            raise MoeqError(f"{path}: {arch}.nextn_predict_layers={nextn!r} is not a count of blocks below "
+                            f"block_count={d['num_hidden_layers']}")
+        d["num_hidden_layers"] -= nextn
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     d["vocab_size"] = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
     if d["vocab_size"] is None:
         raise MoeqError(f"{path}: neither {arch}.vocab_size nor a token list says the vocabulary size")
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base")
                                                                         or 10000.0)}
+    rot = _field(reader, f"{arch}.rope.dimension_count")
+    if glm and rot and rot != head_dim:
+        d["rope_parameters"]["partial_rotary_factor"] = rot / head_dim
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         needed = _YARN_KEYS[1:4] if mla else _YARN_KEYS[1:3]
@@ -317,7 +338,12 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
     _check_tiling(file, reader)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     seen, mla, biases = set(), {}, {}
+    n_layers = config.num_hidden_layers
+    nextn = _field(reader, f"{fam.arch}.nextn_predict_layers") or 0
     for t in reader.tensors:
+        blk = re.match(r"^blk\.(\d+)\.", t.name)
+        if nextn and blk and int(blk[1]) >= n_layers:
+            continue  # a multi-token-prediction block (converter-written GLM-4.5): the model does not run it
         if t.name not in targets:
             raise MoeqError(f"{file}: tensor {t.name} has no place in the {config.model_type} model")
         kind, hf = targets[t.name]
