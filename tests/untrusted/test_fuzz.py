@@ -332,45 +332,45 @@ def m_gguf(data, d: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+GGUF_FAMILIES = {"qwen3_moe": ({"norm_topk_prob": True}, "q4_0"),  # llama.cpp graphs with their own readers:
+                 "deepseek_v3": ({}, "q4_0"),  # MLA's kv_b split, sigmoid router bias
+                 "gpt_oss": ({}, "mxfp4"),  # expert biases, sinks, YaRN, sliding window
+                 "glm4_moe": ({"use_qk_norm": True}, "iq4nl")}  # partial rotary, qk-norm
+
+
 @pytest.fixture(scope="module")
-def gguf_ref(tiny_ckpt, isolated, tmp_path_factory):
+def gguf_refs(tiny_ckpt, isolated, tmp_path_factory):
+    """Each family's moeq GGUF export and its logits, and the same file without moeq's keys (as llama.cpp's converter
+    writes it: the config from its llama.cpp metadata)."""
     import moeq  # noqa: PLC0415
     from moeq.export import export  # noqa: PLC0415
+    from tests.models.test_gguf_foreign import strip  # noqa: PLC0415
 
-    src = tiny_ckpt("qwen3_moe", norm_topk_prob=True)
-    d = tmp_path_factory.mktemp("ggufref")
-    export(moeq.load(src, quant="q4_0", progress=False), d / "g", "gguf", source=src)
-    ref = d / "ref.pt"
-    r = isolated.load(d / "g", save=ref)
-    assert r["outcome"] == "ok" and r["finite"], r
-    return d / "g", ref
+    out = {}
+    for family, (kw, method) in GGUF_FAMILIES.items():
+        src = tiny_ckpt(family, **kw)
+        d = tmp_path_factory.mktemp(f"ggufref-{family}")
+        export(moeq.load(src, quant=method, progress=False), d / "g", "gguf", source=src)
+        (d / "f").mkdir()
+        strip(d / "g" / "model.gguf", d / "f" / "model.gguf")
+        for kind in ("g", "f"):
+            r = isolated.load(d / kind, save=d / f"{kind}.pt")
+            assert r["outcome"] == "ok" and r["finite"], (family, kind, r)
+            out[(family, kind)] = d / kind, d / f"{kind}.pt"
+    return out
 
 
 @FUZZ
 @given(data=st.data())
-def test_fuzz_gguf_readback(gguf_ref, isolated, data):
-    ckpt, ref = gguf_ref
+def test_fuzz_gguf_readback(gguf_refs, isolated, data):
+    ckpt, ref = gguf_refs[(data.draw(st.sampled_from(sorted(GGUF_FAMILIES)), label="family"), "g")]
     check(isolated, ckpt, ref, m_gguf, data)
 
 
-@pytest.fixture(scope="module")
-def foreign_gguf_ref(gguf_ref, isolated, tmp_path_factory):
-    """The same file without moeq's keys (as llama.cpp's converter writes it): config from its llama.cpp metadata."""
-    from tests.models.test_gguf_foreign import strip  # noqa: PLC0415
-
-    d = tmp_path_factory.mktemp("foreign") / "g"
-    d.mkdir()
-    strip(gguf_ref[0] / "model.gguf", d / "model.gguf")
-    ref = d.parent / "ref.pt"
-    r = isolated.load(d, save=ref)
-    assert r["outcome"] == "ok" and r["finite"], r
-    return d, ref
-
-
 @FUZZ
 @given(data=st.data())
-def test_fuzz_foreign_gguf(foreign_gguf_ref, isolated, data):
-    ckpt, ref = foreign_gguf_ref
+def test_fuzz_foreign_gguf(gguf_refs, isolated, data):
+    ckpt, ref = gguf_refs[(data.draw(st.sampled_from(sorted(GGUF_FAMILIES)), label="family"), "f")]
     check(isolated, ckpt, ref, m_gguf, data)
 
 
