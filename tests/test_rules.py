@@ -110,6 +110,12 @@ def test_named_mixes(model_type, tiny_ckpt, tmp_path, capsys):
         assert four and all(f[n][1]["grid"] == "iq4nl" and f[n][1]["bits"] == 4 for n in four)
         three = [n for n in f if n.endswith("experts.w13") or (name == "nl3-s" and n.endswith("experts.w2"))]
         assert three and all(f[n][1]["grid"] == "nl3" and f[n][1]["bits"] == 3 for n in three)
+    f = formats(moeq.load(src, quant="nl2-m", progress=False))  # 2-bit experts, the rest 4-bit, k,v 8-bit
+    assert all(f[n][1]["bits"] == 8 for n in kv)
+    two = [n for n in f if ".experts." in n]
+    assert two and all(f[n][1]["grid"] == "nl2" and f[n][1]["bits"] == 2 for n in two)
+    four = [n for n in f if ".experts." not in n and n not in kv and f[n][0] == "rtn"]
+    assert four and all(f[n][1]["grid"] == "iq4nl" and f[n][1]["bits"] == 4 for n in four)
     assert main(["quantize", str(src), str(tmp_path / "x"), "--method", "iq4nl-m", "--rule", "*.nonexistent=q8_0"]) == 2
     assert "'*.nonexistent' matches no module" in capsys.readouterr().err and not (tmp_path / "x").exists()
     out = tmp_path / "y"

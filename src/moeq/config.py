@@ -79,7 +79,7 @@ class RTN(FormatConfig):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
-    grid: Literal["vllm", "signed", "iq4nl", "nl3", "mxfp4"] = "vllm"
+    grid: Literal["vllm", "signed", "iq4nl", "nl3", "nl2", "mxfp4"] = "vllm"
     search: int = 0  # clip candidates per group; signed/codebook grids: importance-weighted scale search steps
     refine: int = 0  # least-squares (scale, zero) rounds
     hqq: int = 0  # HQQ-style half-quadratic iterations (asymmetric)
@@ -243,6 +243,9 @@ METHODS: dict[str, FormatConfig] = {
     # than the row-aware ones, measured), group 16 with double-quantized scales: 3.5 + 16/K bits per weight
     # (llama.cpp's Q3_K: 3.44). Its mixes below add bits where llama.cpp's Q3_K_S / Q3_K_M do.
     "nl3": RTN(3, 16, grid="nl3", search=7, weighting="x2", double_quant=True),
+    # 2 bits for the experts of very large MoEs (nl2-m below keeps the rest at 4-8 bits): Lloyd-Max points, group 16,
+    # double-quantized scales: 2.5 + 16/K bits per weight (llama.cpp's Q2_K: 2.625, IQ2_S: 2.5)
+    "nl2": RTN(2, 16, grid="nl2", search=7, weighting="x2", double_quant=True),
     # OCP MXFP4 (gpt-oss' expert format; llama.cpp's MXFP4): E2M1 codes, a power-of-two scale per 32, rounded as
     # llama.cpp's quantize_row_mxfp4_ref; gpt-oss MXFP4 checkpoints load into it exactly; GGUF export lossless
     "mxfp4": RTN(4, 32, grid="mxfp4"),
@@ -275,6 +278,9 @@ MIXES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
     "nl3-s": ("nl3", (*((p, "q8_0") for p in _KV), ("*.o_proj", "iq4nl-dq"))),
     "nl3-m": ("nl3", (*((p, "q8_0") for p in _KV), *((p, "iq4nl-dq") for p in (
         "*.o_proj", "*.experts.w2", "*shared_expert.down_proj", "*.mlp.down_proj")))),
+    # 2-bit experts, as the big-MoE recipes do (DeepSeek / Kimi on one machine): the routed experts nl2, attention,
+    # shared experts and dense MLPs 4-bit (iq4nl-dq), k,v 8-bit
+    "nl2-m": ("iq4nl-dq", (("*.experts", "nl2"), *((p, "q8_0") for p in _KV))),
     # 5-bit everywhere, k,v and the down projections of llama.cpp's more-bits layers 8-bit (Q5_0/Q8_0 in GGUF)
     "q5_0-m": ("q5_0-opt", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2" + MORE, "*shared_expert.down_proj" + MORE))),
 }

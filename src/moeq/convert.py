@@ -192,9 +192,12 @@ class ExpertsBuilder:
                 raise MoeqError(f"{self.name}.{slot}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
                                 "every expert's weight of one slot must share a format")
             cls[slot] = kinds.pop()
+        # the pieces leave the builder as they are joined (Format._join frees each group once copied)
+        g13 = [[self.pieces.pop((e, "gate")), self.pieces.pop((e, "up"))] for e in e_range]
+        g2 = [[self.pieces.pop((e, "down"))] for e in e_range]
         try:
-            w13 = cls["w13"].join([[self.pieces[(e, "gate")], self.pieces[(e, "up")]] for e in e_range])
-            w2 = cls["w2"].join([[self.pieces[(e, "down")]] for e in e_range])
+            w13 = cls["w13"].join(g13)
+            w2 = cls["w2"].join(g2)
         except ValueError as err:
             raise MoeqError(f"{self.name}: {err}") from None
         self.pieces.clear()

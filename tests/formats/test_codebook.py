@@ -45,7 +45,7 @@ def test_gguf_decodes_the_blocks_to_moeq_values(grid, qtype, bits, dtype):
     assert torch.equal(q.dequantize(torch.bfloat16), q.dequantize_reference(torch.bfloat16))
 
 
-@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 4), ("signed", 5), ("nl3", 3)])
+@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 4), ("signed", 5), ("nl3", 3), ("nl2", 2)])
 @pytest.mark.parametrize("weighting", ["x2", "row", "mse"])
 def test_native_search_matches_torch_twin(grid, bits, weighting):
     w = _weights(rows=48, k=256, seed=1)
@@ -199,7 +199,7 @@ def test_double_quantized_scales(dtype):
         rtn.quantize(w, 4, 32, True, "vllm", double_quant=True)
 
 
-@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 5), ("nl3", 3)])
+@pytest.mark.parametrize("grid,bits", [("iq4nl", 4), ("signed", 5), ("nl3", 3), ("nl2", 2)])
 def test_requant_kernel_matches_nearest_value(grid, bits):
     """moeq_cb4_requant (the codes for given double-quantized scales) picks the nearest table value of w / scale,
     ties to the lower one, for 8-, 16- and 32-value tables, including a zero scale."""
@@ -263,3 +263,32 @@ def test_nl3_three_bit_codebook(dtype):
     for native_ok in (True, False):  # both forms carry it into the row factor, so validation refuses the weight
         d = rtn._double_quant(dataclasses.replace(full, scale=nan), w, native_ok=native_ok)
         assert d.scale_super[5].isnan() and not d.scale_super[:5].isnan().any() and d.problems()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nl2_two_bit_codebook(dtype):
+    """nl2: the four Lloyd-Max points of a Gaussian, 2-bit codes four per byte; the native search, double
+    quantization and dequantization equal their torch twins; at group 16 with double-quantized scales (2.5 + 16/K
+    bits) its weighted error is below 2-bit RTN's with zero points at group 32 (2.75 bits) and above nl3's."""
+    from moeq.formats.codebooks import NL2
+    from moeq.formats.packing import unpack
+
+    assert NL2 == (-127, -38, 38, 127)
+    w = _weights(rows=64, k=512).to(dtype)
+    q = rtn.quantize(w, 2, 16, True, "nl2", search=7, weighting="x2", double_quant=True)
+    assert q.qdata.shape == (64, 512 // 4) and q.bits_per_weight == pytest.approx(2.5 + 16 / 512)
+    assert torch.equal(unpack(q.qdata, 2), q.codes()) and int(q.codes().max()) <= 3
+    twin = rtn.quantize(w, 2, 16, True, "nl2", search=7, weighting="x2", double_quant=True, native=False)
+    assert (twin.codes() == q.codes()).float().mean() > 0.99  # sums in another order may tip a near tie
+    full = rtn.quantize(w, 2, 16, True, "nl2", search=7, weighting="x2")
+    assert torch.equal(rtn._double_quant(full, w, native_ok=False).qdata, q.qdata)  # native requant == torch
+    assert torch.equal(q.dequantize(torch.float32), q.dequantize_reference(torch.float32))
+    assert torch.equal(q.dequantize(torch.bfloat16), q.dequantize_reference(torch.bfloat16))
+    vals = torch.tensor(NL2, dtype=torch.float32)
+    by_hand = vals[q.codes().long()].view(64, -1, 16) * q.group_scales().unsqueeze(-1)
+    assert torch.equal(by_hand.flatten(-2), q.dequantize_reference(torch.float32))
+    asym = rtn.quantize(w, 2, 32, False)  # 2 + 16/32 + 8/32 bits
+    nl3 = rtn.quantize(w, 3, 16, True, "nl3", search=7, weighting="x2", double_quant=True)
+    assert _werr(w, nl3, "x2") < _werr(w, q, "x2") < 0.8 * _werr(w, asym, "x2")
+    with pytest.raises(MoeqError, match="2-bit codebook"):
+        RTN(3, 16, grid="nl2")

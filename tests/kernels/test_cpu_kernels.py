@@ -11,6 +11,7 @@ CONFIGS = [RTN(4, 128), RTN(4, 32), RTN(8, 64), RTN(4, 128, symmetric=False), RT
            RTN(4, 32, grid="iq4nl", search=3), RTN(4, 64, grid="iq4nl"), RTN(4, 32, grid="signed", search=2),
            RTN(5, 32, grid="signed", search=3), RTN(5, 128), RTN(4, 32, grid="iq4nl", search=2, double_quant=True),
            RTN(3, 16, grid="nl3", search=2, double_quant=True), RTN(3, 64, grid="nl3"), RTN(4, 16, grid="iq4nl"),
+           RTN(2, 16, grid="nl2", search=2, double_quant=True), RTN(2, 32, grid="nl2"),
            RTN(4, 32, grid="mxfp4"), BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, True), Int8()]
 
 
@@ -63,7 +64,7 @@ def _no_fused(ex, monkeypatch) -> None:
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(8, 128), RTN(4, 32, symmetric=False), BNB4("nf4", 64, True),
                                  BNB4("fp4", 32, False), RTN(4, 32, grid="iq4nl"), RTN(5, 32, grid="signed"),
                                  RTN(4, 32, grid="iq4nl", double_quant=True),
-                                 RTN(3, 16, grid="nl3", double_quant=True)],
+                                 RTN(3, 16, grid="nl3", double_quant=True), RTN(2, 16, grid="nl2", double_quant=True)],
                          ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [6, 40])  # 40 tokens: some experts get more rows than the fused path takes
 def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
@@ -99,6 +100,7 @@ def test_fused_moe_matches_per_expert_loop(cfg, t, monkeypatch):
 @pytest.mark.parametrize("cfg", [RTN(4, 64), RTN(4, 64, symmetric=False), RTN(4, 32, symmetric=False), RTN(8, 128),
                                  RTN(4, 32, grid="iq4nl", search=3), RTN(4, 128, grid="iq4nl"), RTN(5, 32, grid="signed"),
                                  RTN(3, 16, grid="nl3", search=2, double_quant=True), RTN(3, 32, grid="nl3"),
+                                 RTN(2, 16, grid="nl2", search=2, double_quant=True),
                                  BNB4("nf4", 64, True), BNB4("fp4", 128, False)], ids=lambda c: c.label())
 @pytest.mark.parametrize("t", [1, 5])  # 1: every active expert has one row (the kernel's one-row loops)
 def test_fused_moe_bf16_activations(cfg, t, monkeypatch):
@@ -263,6 +265,7 @@ def test_products_written_in_place_equal_fresh(cfg):
                                  RTN(4, 32, grid="iq4nl", search=2), RTN(5, 32, grid="signed", search=2),
                                  RTN(4, 32, grid="iq4nl", search=2, double_quant=True),
                                  RTN(3, 16, grid="nl3", search=2, double_quant=True),
+                                 RTN(2, 16, grid="nl2", double_quant=True),
                                  BNB4("nf4", 64, True), BNB4("fp4", 128, False), BNB4("nf4", 32, False)],
                          ids=lambda c: c.label())
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 2)])  # (batch, tokens): [B, T, K] inputs
@@ -336,7 +339,7 @@ def test_rtn8_int16_activations_edge_cases():
 @pytest.mark.parametrize("cfg", [RTN(8, -1, symmetric=False), RTN(8, 32, grid="signed"), RTN(4, 128),
                                  RTN(4, 32, symmetric=False), RTN(4, 32, grid="iq4nl"), RTN(5, 32, grid="signed"),
                                  RTN(4, 32, grid="iq4nl", double_quant=True),
-                                 RTN(3, 16, grid="nl3", double_quant=True)],
+                                 RTN(3, 16, grid="nl3", double_quant=True), RTN(2, 16, grid="nl2", double_quant=True)],
                          ids=lambda c: c.label())
 def test_one_call_linear_activation_edge_cases(cfg):
     """The decode linear's activation forms (bf16 on AVX512-BF16; int16 per 32 elements on AVX2, run by test_isa):

@@ -125,7 +125,7 @@ def _libasan() -> str | None:
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
-ASAN_METHODS = ("q4_0", "rtn-int4", "iq4nl-dq", "nl3", "q5_0", "q8_0", "rtn-int4-asym", "nf4", "int8", "fp8", "mxfp4")
+ASAN_METHODS = ("q4_0", "rtn-int4", "iq4nl-dq", "nl3", "nl2", "q5_0", "q8_0", "rtn-int4-asym", "nf4", "int8", "fp8", "mxfp4")
 
 
 @pytest.mark.asan

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not native.has_dpbf16(), reason="the grouped GEM
 # (8-bit, 5-bit, 3-bit, groups of 16) and FP8's
 CONFIGS = [RTN(4, 32), RTN(4, 128), RTN(4, 64, symmetric=False), RTN(4, 32, grid="iq4nl"),
            RTN(4, 32, grid="iq4nl", double_quant=True), RTN(4, 32, grid="mxfp4"), RTN(8, 64), RTN(8, 32, symmetric=False),
-           RTN(4, 16, grid="iq4nl"), RTN(5, 32, grid="signed"), RTN(3, 16, grid="nl3", double_quant=True),
+           RTN(4, 16, grid="iq4nl"), RTN(5, 32, grid="signed"), RTN(3, 16, grid="nl3", double_quant=True), RTN(2, 16, grid="nl2", double_quant=True),
            # FP8 e4m3 tiles: DeepSeek's 128x128, tiles a 16-row weight tile straddles, and a width the vector
            # conversion does not take (40: the scalar path) with partial edge tiles
            FP8((128, 128)), FP8((24, 32)), FP8((48, 40))]

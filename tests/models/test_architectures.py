@@ -38,7 +38,7 @@ def test_arch_end_to_end(model_type, tiny_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["rtn-int8", "rtn-int4-asym", "rtn-int4-signed", "nf4", "fp4", "int8", "rtn-int3",
-                                    "iq4nl", "q4_0-opt", "q5_0-opt", "nl3"])
+                                    "iq4nl", "q4_0-opt", "q5_0-opt", "nl3", "nl2"])
 def test_formats_in_a_model(method, tiny_ckpt, tmp_path):
     src = tiny_ckpt("qwen2_moe")
     m = moeq.load(src, quant=method, dtype=torch.float32, progress=False)

@@ -17,7 +17,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ class Planned:
     note: str = ""  # "exact", "requantized from ...", "kept"
     logical: tuple[int, ...] = ()  # the shape in values (GGUF's dims, reversed)
     ref: Callable[[], np.ndarray] | None = None  # moeq's fp32 values of the first 2-D slice, for exact types
+    parts: Callable[[], Iterator[np.ndarray]] | None = None  # a stack's slices one by one (the streamed writer's)
 
 
 def gguf_lib():
@@ -123,24 +124,31 @@ def requantize(values: torch.Tensor, qtype: str) -> np.ndarray:
     return gguf.quants.quantize(values.float().numpy(), gguf.GGMLQuantizationType[qtype])
 
 
-def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str, str]:
-    """(make, qtype, note) for a stack of 2-D packed weights written as one tensor (one for a linear): the stack's
-    first weight's values are ``ws[0].dequantize(torch.float32)``, what gguf-py must decode the written bytes to."""
+def _packed_stack(ws: list[PackedWeight]) -> tuple[Callable[[], np.ndarray], str, str,
+                                                   Callable[[], Iterator[np.ndarray]]]:
+    """(make, qtype, note, parts) for a stack of 2-D packed weights written as one tensor (one for a linear): the
+    stack's first weight's values are ``ws[0].dequantize(torch.float32)``, what gguf-py must decode the written
+    bytes to. ``parts`` yields the stack's slices one at a time (the streamed writer never holds the whole stack)."""
     exact = {ggml_type(w) for w in ws}
     if len(exact) == 1 and None not in exact:
-        def make():
-            arrs = [ggml_blocks(w) for w in ws]
-            return (torch.stack(arrs) if len(arrs) > 1 else arrs[0]).numpy()
+        qtype = exact.pop()
         dq = any(getattr(w, "scale_super", None) is not None for w in ws)
-        return make, exact.pop(), "exact codes, double-quantized scales rounded to fp16 (2^-11)" if dq else "exact"
-    qtype = "Q4_0" if max(w.bits for w in ws) <= 4 else "Q8_0"
-    w0 = ws[0]
-    src = f"{type(w0).__name__}({getattr(w0, 'bits', '')}{getattr(w0, 'quant_type', '')})"
+        note = "exact codes, double-quantized scales rounded to fp16 (2^-11)" if dq else "exact"
+
+        def parts():
+            return (ggml_blocks(w).numpy() for w in ws)
+    else:
+        qtype = "Q4_0" if max(w.bits for w in ws) <= 4 else "Q8_0"
+        w0 = ws[0]
+        note = f"requantized {type(w0).__name__}({getattr(w0, 'bits', '')}{getattr(w0, 'quant_type', '')}) -> {qtype}"
+
+        def parts():
+            return (requantize(w.dequantize(torch.float32), qtype) for w in ws)
 
     def make():
-        arrs = [requantize(w.dequantize(torch.float32), qtype) for w in ws]
+        arrs = list(parts())
         return np.stack(arrs) if len(arrs) > 1 else arrs[0]
-    return make, qtype, f"requantized {src} -> {qtype}"
+    return make, qtype, note, parts
 
 
 def _ref(w: PackedWeight) -> Callable[[], np.ndarray]:
@@ -191,7 +199,7 @@ class Planner:
         return permuted
 
     def add(self, name: str, make: Callable[[], np.ndarray], qtype: str, note: str, logical: tuple[int, ...],
-            ref: Callable[[], np.ndarray] | None = None):
+            ref: Callable[[], np.ndarray] | None = None, parts: Callable[[], Iterator[np.ndarray]] | None = None):
         """Plan one tensor: ``logical`` is its shape in values; quantized types are written as block bytes. ``ref``:
         moeq's values of its first 2-D slice (exact types), which a consumer's decoding of the bytes must equal."""
         gq = self.gguf.GGMLQuantizationType[qtype]
@@ -204,7 +212,7 @@ class Planner:
         if ref is not None and len(logical) == 2:
             ref = self._permute(name, ref)
         self.plan.append(Planned(name, gq, self._permute(name, make), shape, np.dtype(dtype), nbytes, note,
-                                 tuple(logical), ref))
+                                 tuple(logical), ref, parts if len(logical) == 3 else None))
 
     def experts(self, module: str, mod: QuantExperts) -> None:
         if mod.b13 is not None and self.fam.arch != "gpt-oss":
@@ -215,8 +223,9 @@ class Planner:
             pieces[kind].append(w)
         self.inter = mod.intermediate_dim
         for kind, ws in pieces.items():
-            make, qtype, note = _packed_stack(ws)
-            self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape), _ref(ws[0]))
+            make, qtype, note, parts = _packed_stack(ws)
+            self.add(f"blk.{il}.ffn_{kind}_exps.weight", make, qtype, note, (len(ws), *ws[0].shape), _ref(ws[0]),
+                     parts)
         if mod.b13 is not None:  # gpt-oss: [E, 2I] gate-then-up (moeq's order), [E, H]
             i = mod.intermediate_dim
             for kind, b in (("gate", mod.b13[:, :i]), ("up", mod.b13[:, i:]), ("down", mod.b2)):
@@ -227,7 +236,7 @@ class Planner:
         if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj"):
             return self.mla_kv_b(module, mod.qweight)
         base = self.gguf_name(module)
-        make, qtype, note = _packed_stack([mod.qweight])
+        make, qtype, note, _ = _packed_stack([mod.qweight])
         self.add(base + ".weight", make, qtype, note, tuple(mod.qweight.shape), _ref(mod.qweight))
         if mod.bias is not None:
             make, qtype = _plain(mod.bias, True)
@@ -279,10 +288,10 @@ class Planner:
         values = w.dequantize(torch.float32) if isinstance(w, PackedWeight) else w.detach()
         k_rows = lambda: values.view(heads, nope + v, rank)[:, :nope].transpose(1, 2).contiguous()  # noqa: E731
         if isinstance(w, PackedWeight):
-            make, qtype, note = _packed_stack([w.row_slice(h * (nope + v) + nope, (h + 1) * (nope + v))
-                                               for h in range(heads)])
+            make, qtype, note, parts = _packed_stack([w.row_slice(h * (nope + v) + nope, (h + 1) * (nope + v))
+                                                      for h in range(heads)])
             self.add(v_name + ".weight", make, qtype, note, (heads, v, rank),
-                     lambda: values[nope:nope + v].float().numpy())
+                     lambda: values[nope:nope + v].float().numpy(), parts)
             make, qtype = _plain(k_rows().float(), True)
             self.add(k_name + ".weight", make, qtype, "exact (F32 values: the transpose crosses the groups)",
                      (heads, rank, nope))
@@ -659,18 +668,26 @@ class Stream:
                 raise MoeqError(f"{t.name}: {t.note}: it has no exact GGUF type, and exporting it would round moeq's "
                                 "already-rounded values a second time; use --method q4_0 (or q8_0, iq4nl) for a "
                                 "lossless GGUF, or pass --requantize to accept the double rounding")
-            a = np.ascontiguousarray(t.make())
-            if a.shape != t.shape or a.dtype != t.dtype:
-                raise RuntimeError(f"{t.name}: produced {a.shape} {a.dtype}, planned {t.shape} {t.dtype}")
-            if self.check and t.ref is not None and t.note == "exact":
-                got = gguf.quants.dequantize(a if a.ndim == 2 else a[0], t.qtype)
-                if not np.array_equal(got, t.ref()):
-                    raise MoeqError(f"{t.name}: gguf-py decodes the written {t.qtype.name} blocks to values that "
-                                    "differ from moeq's; nothing was written")
-                self.checked += 1
-            a.tofile(self.f)
-            self.f.write(bytes(gguf.GGUFWriter.ggml_pad(a.nbytes, self.alignment) - a.nbytes))
-            self.written.append(dataclasses.replace(t, make=None, ref=None))
+            # a stack one slice at a time (a DeepSeek-V3 layer's gate blocks alone are 2.2 GB), else whole
+            slices = t.parts() if t.parts is not None else iter([t.make()])
+            want = t.shape[1:] if t.parts is not None else t.shape
+            n = 0
+            for a in slices:
+                a = np.ascontiguousarray(a)
+                if a.shape != want or a.dtype != t.dtype:
+                    raise RuntimeError(f"{t.name}: produced {a.shape} {a.dtype}, planned {want} {t.dtype}")
+                if n == 0 and self.check and t.ref is not None and t.note == "exact":
+                    got = gguf.quants.dequantize(a if a.ndim == 2 else a[0], t.qtype)
+                    if not np.array_equal(got, t.ref()):
+                        raise MoeqError(f"{t.name}: gguf-py decodes the written {t.qtype.name} blocks to values "
+                                        "that differ from moeq's; the file is not finished")
+                    self.checked += 1
+                a.tofile(self.f)
+                n += 1
+            if n != (t.shape[0] if t.parts is not None else 1):
+                raise RuntimeError(f"{t.name}: {n} slices written, planned {t.shape}")
+            self.f.write(bytes(gguf.GGUFWriter.ggml_pad(t.nbytes, self.alignment) - t.nbytes))
+            self.written.append(dataclasses.replace(t, make=None, ref=None, parts=None))
             self.bar.update()
         self.p.plan = []
 

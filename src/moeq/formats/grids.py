@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from moeq.errors import MoeqError
-from moeq.formats.codebooks import IQ4NL, MXFP4, NL3
+from moeq.formats.codebooks import IQ4NL, MXFP4, NL2, NL3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,7 @@ GRIDS: dict[str, Grid] = {g.name: g for g in (
     Grid("asym", _BITS, symmetric=False),
     Grid("iq4nl", (4,), table=IQ4NL, search="always", double_quant=True, ggml=((4, "IQ4_NL"),)),
     Grid("nl3", (3,), table=NL3, search="always", double_quant=True),
+    Grid("nl2", (2,), table=NL2, search="always", double_quant=True),
     Grid("mxfp4", (4,), table=MXFP4, group_size=32, ggml=((4, "MXFP4"),), ggml_head="e8m0"),
 )}
 

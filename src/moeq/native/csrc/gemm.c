@@ -308,13 +308,13 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
 
 #endif
 
-// Whether the prompt GEMM takes w on this build: AVX512-BF16, RTN 4/8-bit and the 3-5-bit codebook grids (row-major
+// Whether the prompt GEMM takes w on this build: AVX512-BF16, RTN 4/8-bit and the 2-5-bit codebook grids (row-major
 // or il16; K even, whole groups) and FP8 e4m3 tiles (any tile shape, K even), N % TILE_R == 0 (moeq_wstack_plan
 // records it as MOEQ_LAYER_GEMM).
 int moeq_gemm_takes(const moeq_wstack* w) {
 #if defined(__AVX512BF16__)
     if (w->fmt == MOEQ_FMT_FP8) return w->K % 2 == 0 && w->gs > 0 && w->bn > 0 && w->N % TILE_R == 0;
-    return w->fmt == MOEQ_FMT_RTN && (w->values ? w->bits >= 3 && w->bits <= 5 : w->bits == 4 || w->bits == 8) &&
+    return w->fmt == MOEQ_FMT_RTN && (w->values ? w->bits >= 2 && w->bits <= 5 : w->bits == 4 || w->bits == 8) &&
            w->K % 2 == 0 && w->gs > 0 && w->K % w->gs == 0 && w->N % TILE_R == 0;
 #else
     (void)w;

@@ -649,7 +649,7 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 }
 
 
-// y[M, N] = x @ dequant(W)^T for the 3/4/5-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x
+// y[M, N] = x @ dequant(W)^T for the 2/3/4/5-bit codebook grids (value = scale * values[code]; see cb4_rows_p64), x
 // bf16 in x_to_bf16's permuted order, K % 64 == 0, gs 16, 32 or a multiple of 64. lut: the values as bf16 (32
 // words: the table repeated). Returns 0 (nothing written) without AVX512-BF16.
 int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16,
@@ -679,8 +679,8 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 #endif
 }
 
-// AVX2 builds, bf16 models: y[m, N] = x[m, K] @ W[e]^T for RTN 4/8-bit and the 3/4/5-bit codebook grids through
-// rows_avx2.h's int16-activation rows (gs % 32 == 0; 3-bit: gs % 16 == 0). scratch: m*K/2 + m*K/32 + 16 floats.
+// AVX2 builds, bf16 models: y[m, N] = x[m, K] @ W[e]^T for RTN 4/8-bit and the 2/3/4/5-bit codebook grids through
+// rows_avx2.h's int16-activation rows (gs % 32 == 0; 2/3-bit: gs % 16 == 0). scratch: m*K/2 + m*K/32 + 16 floats.
 // Returns 0 (nothing written) outside that domain or on other builds.
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
 #if defined(MOEQ_AVX2)
@@ -688,8 +688,8 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
     const int bits = w->bits, cb = w->values != NULL;
     __m128i t[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
     __m256i t3 = _mm256_setzero_si256();
-    if (w->fmt == MOEQ_FMT_RTN && cb && bits == 3) {  // nl3: groups of 16, x in order
-        if (w->gs % 16 || K % 32 || w->zero || !cb3_table_i8(w->values, &t3)) return 0;
+    if (w->fmt == MOEQ_FMT_RTN && cb && (bits == 3 || bits == 2)) {  // nl3 / nl2: groups of 16, x in order
+        if (w->gs % 16 || K % 32 || w->zero || !cb3_table_i8(w->values, 1 << bits, &t3)) return 0;
     } else if (w->fmt != MOEQ_FMT_RTN || w->gs % 32 || K % 32 ||
                !(cb ? bits == 4 || bits == 5 : bits == 4 || bits == 8) ||
                (cb && (w->zero || !cb_tables_i8(w->values, bits, t)))) {
@@ -697,7 +697,8 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
     }
     int16_t* xq = (int16_t*)scratch;
     float* sx = scratch + m * K / 2;
-    for (i64 r = 0; r < m; r++) x_to_i16_32(x + r * K, K, bits != 8 && bits != 3, xq + r * K, sx + r * K / 32);
+    for (i64 r = 0; r < m; r++)
+        x_to_i16_32(x + r * K, K, bits != 8 && bits != 3 && bits != 2, xq + r * K, sx + r * K / 32);
     const uint8_t* q = w->q + e * N * packed_row_bytes(bits, K);
     const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
@@ -717,27 +718,29 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
             }                                                                                                 \
             for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);                      \
         }
-    if (cb && bits == 3) {
-        _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)
-            for (i64 r0 = 0; r0 < m; r0 += 4) {
-                const i64 mc = m - r0 < 4 ? m - r0 : 4;
-                float o[4];
-                const int16_t* xr = xq + r0 * K;
-                const float* sr = sx + r0 * K / 32;
-                switch (mc) {
-                    case 1: cb3_row_i16(xr, sr, 1, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
-                    case 2: cb3_row_i16(xr, sr, 2, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
-                    case 3: cb3_row_i16(xr, sr, 3, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
-                    default: cb3_row_i16(xr, sr, 4, q, sc, w->scale_bf16, t3, n, K, w->gs, o); break;
-                }
-                for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);
-            }
-    }
+#define ROWS3(B)                                                                                              \
+    _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)                                  \
+        for (i64 r0 = 0; r0 < m; r0 += 4) {                                                                   \
+            const i64 mc = m - r0 < 4 ? m - r0 : 4;                                                           \
+            float o[4];                                                                                       \
+            const int16_t* xr = xq + r0 * K;                                                                  \
+            const float* sr = sx + r0 * K / 32;                                                               \
+            switch (mc) {                                                                                     \
+                case 1: cb3_row_i16(xr, sr, 1, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;           \
+                case 2: cb3_row_i16(xr, sr, 2, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;           \
+                case 3: cb3_row_i16(xr, sr, 3, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;           \
+                default: cb3_row_i16(xr, sr, 4, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;          \
+            }                                                                                                 \
+            for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);                      \
+        }
+    if (cb && bits == 3) { ROWS3(3) }
+    else if (cb && bits == 2) { ROWS3(2) }
     else if (cb && bits == 5) { ROWS(5, 1) }
     else if (cb) { ROWS(4, 1) }
     else if (bits == 8) { ROWS(8, 0) }
     else { ROWS(4, 0) }
 #undef ROWS
+#undef ROWS3
     return 1;
 #else
     (void)w; (void)e; (void)x; (void)m; (void)y; (void)scratch;

@@ -4,7 +4,7 @@
 //
 // Layouts (row-major, rows = output features N, K = input features):
 //   rtn:  q uint8 [N, K/2] (4-bit, even k in the LOW nibble) or [N, K] (8-bit); scale [N, K/gs]; zero uint8|NULL;
-//         codebook grids (iq4nl 4-bit, nl3 3-bit, signed 5-bit): value = scale * values[code], no zero
+//         codebook grids (iq4nl 4-bit, nl3 3-bit, nl2 2-bit, signed 5-bit): value = scale * values[code], no zero
 //   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
 //   int8: w int8 [N, K], scb fp32 [N]
 //   fp8:  q uint8 e4m3 [N, K], s fp32 [ceil(N/bn), ceil(K/bk)] (one scale per tile)
@@ -120,14 +120,19 @@ static inline __m256 e8m0_x8(__m128i bytes) {  // the low 8 E8M0 bytes as fp32 s
 static inline float row_super(const uint16_t* sup, i64 n) { return sup ? bf2f(sup[n]) : 1.f; }
 
 
-// Bytes per packed row of K codes (moeq.formats.packing): 3 bits (eight codes per 24-bit little-endian word), 4 bits
-// (two per byte, even element low), 5 bits (the 4-bit plane, then the fifth bits LSB first), 8 bits.
+// Bytes per packed row of K codes (moeq.formats.packing): 2 bits (four per byte, LSB first), 3 bits (eight codes per
+// 24-bit little-endian word), 4 bits (two per byte, even element low), 5 bits (the 4-bit plane, then the fifth bits
+// LSB first), 8 bits.
 static inline i64 packed_row_bytes(int bits, i64 K) {
-    return bits == 3 ? K / 8 * 3 : bits == 5 ? K / 8 * 5 : bits == 8 ? K : K / 2;
+    return bits == 2 ? K / 4 : bits == 3 ? K / 8 * 3 : bits == 5 ? K / 8 * 5 : bits == 8 ? K : K / 2;
 }
 
-// Code k of a packed codebook row (3, 4 or 5 bits, the layouts above).
+// The codebook's bit width for nv values (4, 8, 16 or 32).
+static inline int cb_bits(int nv) { return nv == 4 ? 2 : nv == 8 ? 3 : nv == 32 ? 5 : 4; }
+
+// Code k of a packed codebook row (2, 3, 4 or 5 bits, the layouts above).
 static inline int packed_code(const uint8_t* row, int bits, i64 K, i64 k) {
+    if (bits == 2) return (row[k >> 2] >> (2 * (k & 3))) & 3;
     if (bits == 3) {
         const uint8_t* w = row + (k >> 3) * 3;
         const uint32_t word = (uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16;
@@ -155,6 +160,28 @@ static inline uint64_t unpack3_word(uint32_t word) {
 #else
     uint64_t c8 = 0;
     for (int i = 0; i < 8; i++) c8 |= (uint64_t)((word >> (3 * i)) & 7) << (8 * i);
+    return c8;
+#endif
+}
+
+// Eight 2-bit codes (byte i of c8 = code i) as one 16-bit word, code i at bits 2i: two packed bytes.
+static inline uint16_t pack2_word(uint64_t c8) {
+#if defined(__BMI2__)
+    return (uint16_t)_pext_u64(c8, 0x0303030303030303ull);
+#else
+    uint16_t word = 0;
+    for (int i = 0; i < 8; i++) word |= (uint16_t)(((c8 >> (8 * i)) & 3) << (2 * i));
+    return word;
+#endif
+}
+
+// The inverse: a 16-bit word's eight 2-bit codes as bytes (byte i = code i).
+static inline uint64_t unpack2_word(uint16_t word) {
+#if defined(__BMI2__)
+    return _pdep_u64(word, 0x0303030303030303ull);
+#else
+    uint64_t c8 = 0;
+    for (int i = 0; i < 8; i++) c8 |= (uint64_t)((word >> (2 * i)) & 3) << (8 * i);
     return c8;
 #endif
 }

@@ -471,7 +471,7 @@ void moeq_bnb4_resolve_absmax(const uint8_t* q, const float* nested_absmax, cons
 }
 
 
-// ------------------------------------------------------------ 3/4/5-bit codebooks (iq4nl / nl3 / signed) ------
+// ------------------------------------------------------- 2/3/4/5-bit codebooks (iq4nl / nl3 / nl2 / signed) ---
 // value = scale * values[code], nv = 8, 16 or 32 values sorted ascending (the pointer holds at least 16: the vector
 // forms load 16), one scale per group, no zero point:
 // llama.cpp's IQ4_NL (values kvalues_iq4nl), Q4_0 (values -8..7) and Q5_0 (values -16..15) blocks. Rows: the low
@@ -833,6 +833,16 @@ static void cb4_chunk16(const void* w, int bf16, i64 b0, int nl, i64 G, i64 gs, 
             }
         }
     }
+    if (ix->nv == 4) {  // 2-bit: four codes per byte, LSB first
+        for (int l = 0; l < nl; l++) {
+            const i64 b = b0 + l;
+            uint8_t* o = q + (b / G) * rowb + (b % G) * gs / 4;
+            for (i64 j = 0; j < gs / 4; j++)
+                o[j] = (uint8_t)((codes[(4 * j) * 16 + l] & 3) | (codes[(4 * j + 1) * 16 + l] & 3) << 2 |
+                                 (codes[(4 * j + 2) * 16 + l] & 3) << 4 | (codes[(4 * j + 3) * 16 + l] & 3) << 6);
+        }
+        return;
+    }
     if (ix->nv == 8) {  // 3-bit: eight codes per 24-bit word, the 16 lanes' words at once
         for (i64 m = 0; m < gs / 8; m++) {
             __m512i wv = _mm512_setzero_si512();
@@ -897,7 +907,7 @@ static void cb4_search1(const float* x, const float* wt, i64 gs, const float* va
 // gs % 16 == 0 and gs <= 4096 (the scalar form's buffers; the caller checks).
 void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, int ntry,
                      int weighting, const float* colw, uint8_t* q, uint16_t* scale) {
-    const i64 G = K / gs, NB = rows * G, rowb = packed_row_bytes(nv == 8 ? 3 : nv == 32 ? 5 : 4, K);
+    const i64 G = K / gs, NB = rows * G, rowb = packed_row_bytes(cb_bits(nv), K);
     float mid[32];
     for (int j = 0; j < 32; j++) mid[j] = j < nv - 1 ? 0.5f * (values[j] + values[j + 1]) : INFINITY;
     int zi = 0;  // the code nearest zero (an all-zero or non-finite group)
@@ -955,14 +965,18 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
                 wt[k] = cb4_weight(weighting, x[k], sig[b / G]) * (colw ? colw[(b % G) * gs + k] : 1.f);
             }
             const i64 r = b / G, g = b % G;
-            uint8_t* o = q + r * rowb + g * gs / 2;  // (4/5-bit; 3-bit below)
+            uint8_t* o = q + r * rowb + g * gs / 2;  // (4/5-bit; 2/3-bit below)
             if (bad || mx == 0.f) {
                 scale[b] = bad ? (uint16_t)0x7fc0 : 0;
                 for (i64 k = 0; k < gs; k++) codes[k] = (uint8_t)zi;
             } else {
                 cb4_search1(x, wt, gs, values, mid, nv, ntry, mx, &ds, codes, codes + gs);
             }
-            if (nv == 8)
+            if (nv == 4)
+                for (i64 j = 0; j < gs / 4; j++)
+                    q[r * rowb + g * gs / 4 + j] = (uint8_t)((codes[4 * j] & 3) | (codes[4 * j + 1] & 3) << 2 |
+                                                             (codes[4 * j + 2] & 3) << 4 | (codes[4 * j + 3] & 3) << 6);
+            else if (nv == 8)
                 for (i64 m = 0; m < gs / 8; m++) pack3_8(codes + 8 * m, q + r * rowb + (g * gs + 8 * m) / 8 * 3);
             else
                 for (i64 j = 0; j < gs / 2; j++) o[j] = (uint8_t)((codes[2 * j] & 15) | ((codes[2 * j + 1] & 15) << 4));
@@ -983,7 +997,7 @@ void moeq_cb4_search(const void* w, int bf16, i64 rows, i64 K, i64 gs, const flo
     free(sig);
 }
 
-// scale * values[code] per element of rows r0..r1-1 (serial; out holds row r0 first): 3-bit, 4-bit codes, or 5-bit
+// scale * values[code] per element of rows r0..r1-1 (serial; out holds row r0 first): 2-bit, 3-bit, 4-bit codes, or 5-bit
 // (the row's fifth-bit plane after its nibbles); out fp32 or bf16 (rounded once).
 void cb4_dequant_rows(const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup, const float* values,
                       int bits, i64 r0, i64 r1, i64 K, i64 gs, void* out, int out_bf16) {
@@ -995,6 +1009,21 @@ void cb4_dequant_rows(const uint8_t* q, const void* scale, int scale_bf16, const
             const uint8_t* hb = q + r * rowb + K / 2 + g * gs / 8;
             const i64 o = (r - r0) * K + g * gs;
 #if defined(__AVX512BW__)
+            if (bits == 2) {  // 4 bytes -> 16 values (code i at bits 2i of the little-endian word); gs % 16 == 0
+                const __m512 t0 = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
+                const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                const uint8_t* q2 = q + r * rowb + g * gs / 4;
+                for (i64 j = 0; j < gs; j += 16) {
+                    uint32_t word;
+                    memcpy(&word, q2 + j / 4, 4);
+                    const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)word), sh),
+                                                       _mm512_set1_epi32(3));
+                    const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(c, t0), sv);
+                    if (out_bf16) _mm256_storeu_si256((__m256i*)((uint16_t*)out + o + j), f32_to_bf16x16(v));
+                    else _mm512_storeu_ps((float*)out + o + j, v);
+                }
+                continue;
+            }
             if (bits == 3) {  // 6 bytes (two 24-bit words) -> 16 values; gs % 16 == 0
                 const __m512 t0 = _mm512_loadu_ps(values), sv = _mm512_set1_ps(s);
                 const uint8_t* q3 = q + r * rowb + g * gs / 8 * 3;
@@ -1101,7 +1130,7 @@ void moeq_cb4_scale_codes(const uint16_t* scale, i64 rows, i64 G, int8_t* sc, ui
 // How the scale search's codes are re-rounded after its scales are quantized to int8 codes of a row factor.
 void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const float* values, int nv, const int8_t* sc,
                       const uint16_t* sup, uint8_t* q) {
-    const i64 G = K / gs, rowb = packed_row_bytes(nv == 8 ? 3 : nv == 32 ? 5 : 4, K);
+    const i64 G = K / gs, rowb = packed_row_bytes(cb_bits(nv), K);
     float mid[32] = {0};
     for (int i = 0; i + 1 < nv; i++) mid[i] = 0.5f * (values[i] + values[i + 1]);
     mid[nv - 1] = INFINITY;
@@ -1125,6 +1154,13 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
             for (; k0 + 16 <= gs; k0 += 16) {  // 16 codes -> 8 nibble bytes (+ 2 fifth-bit bytes), written whole
                 const __m512i i = cb4_nearest16(&ix, _mm512_mul_ps(_mm512_loadu_ps(buf + k0), _mm512_set1_ps(inv)));
                 const __m128i c = _mm512_cvtepi32_epi8(i), lo = _mm_and_si128(c, _mm_set1_epi8(15));
+                if (nv == 4) {  // 2-bit: 16 codes -> 4 bytes
+                    uint64_t c8[2];
+                    _mm_storeu_si128((__m128i*)c8, c);
+                    const uint32_t four = pack2_word(c8[0]) | (uint32_t)pack2_word(c8[1]) << 16;
+                    memcpy(qr + (g * gs + k0) / 4, &four, 4);
+                    continue;
+                }
                 if (nv == 8) {  // 3-bit: 16 codes -> two 24-bit words, written whole (6 bytes)
                     uint64_t c8[2];
                     _mm_storeu_si128((__m128i*)c8, c);
@@ -1143,9 +1179,13 @@ void moeq_cb4_requant(const void* w, int bf16, i64 rows, i64 K, i64 gs, const fl
 #endif
             for (i64 k = k0; k < gs; k++) {  // the rest (gs % 16 == 0 leaves none on AVX512)
                 const float v = buf[k] * inv;
-                int c = 0;  // binary search over the nv - 1 midpoints (nv 8, 16 or 32)
+                int c = 0;  // binary search over the nv - 1 midpoints (nv 4, 8, 16 or 32)
                 for (int step = nv / 2; step >= 1; step /= 2) c += v > mid[c + step - 1] ? step : 0;
                 code[k] = (uint8_t)c;
+            }
+            if (nv == 4) {  // (the AVX512 loop packed 0..k0 already)
+                for (i64 k = k0; k < gs; k++) qr[(g * gs + k) >> 2] |= (uint8_t)((code[k] & 3) << (2 * (k & 3)));
+                continue;
             }
             if (nv == 8) {  // (the AVX512 loop packed 0..k0 already)
                 for (i64 m = k0 / 8; m < gs / 8; m++) pack3_8(code + 8 * m, qr + (g * gs + 8 * m) / 8 * 3);

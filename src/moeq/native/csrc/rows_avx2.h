@@ -263,11 +263,11 @@ static inline __attribute__((always_inline)) void row_i16(
     for (i64 m = 0; m < M; m++) out[m] = hsum8(acc[m]);
 }
 
-// ---- 3-bit codebook (nl3: eight codes per 24-bit word, value = scale * values[code]) ----
-// The 8 values as an int8 vpshufb table (both 128-bit lanes); 0 when one is not an integer in [-128, 127].
-static inline int cb3_table_i8(const float* values, __m256i* t) {
+// ---- 2/3-bit codebooks (nl2: four codes per byte; nl3: eight codes per 24-bit word; value = scale * values[code]) --
+// The nv (4 or 8) values as an int8 vpshufb table (both 128-bit lanes); 0 when one is not an integer in [-128, 127].
+static inline int cb3_table_i8(const float* values, int nv, __m256i* t) {
     int8_t b[16] = {0};
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < nv; i++) {
         const float v = values[i];
         if (!(v >= -128.f && v <= 127.f) || v != (float)(int)v) return 0;
         b[i] = (int8_t)(int)v;
@@ -280,21 +280,31 @@ static inline int cb3_table_i8(const float* values, __m256i* t) {
 // bytes unpack to 32 codes (pdep), vpshufb makes them int8 values, vpmaddwd takes each half of the chunk against its
 // 16 activations — so a group of 16 (the chunk's halves at their own scales) costs nothing extra. gs % 16 == 0,
 // K % 32 == 0.
+// bits 3 (12 bytes a chunk) or 2 (8 bytes a chunk, pdep into one code a byte).
 static inline __attribute__((always_inline)) void cb3_row_i16(
     const int16_t* xq, const float* sx, const i64 M, const uint8_t* q, const void* scale, int scale_kind,
-    const __m256i t, i64 n, i64 K, i64 gs, float* out) {
+    const __m256i t, i64 n, i64 K, i64 gs, const int bits, float* out) {
     const i64 G = K / gs;
-    const uint8_t* qn = q + n * (K / 8 * 3);
+    const uint8_t* qn = q + n * packed_row_bytes(bits, K);
     __m256 acc[4];
     for (i64 m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     i64 g = n * G, pos = 0;  // the group of the chunk's first half (no division in the loop)
     for (i64 c = 0; c < K; c += 32) {
-        uint64_t a, b;  // the chunk's 12 bytes as two 8-byte loads inside it (bytes 0-7 and 4-11)
-        memcpy(&a, qn + c / 8 * 3, 8);
-        memcpy(&b, qn + c / 8 * 3 + 4, 8);
-        const __m256i codes = _mm256_setr_epi64x(
-            (long long)unpack3_word((uint32_t)a), (long long)unpack3_word((uint32_t)(a >> 24)),
-            (long long)unpack3_word((uint32_t)(b >> 16)), (long long)unpack3_word((uint32_t)(b >> 40)));
+        __m256i codes;
+        if (bits == 2) {
+            uint64_t a;  // the chunk's 8 bytes: code i at bits 2i
+            memcpy(&a, qn + c / 4, 8);
+            codes = _mm256_setr_epi64x((long long)unpack2_word((uint16_t)a), (long long)unpack2_word((uint16_t)(a >> 16)),
+                                       (long long)unpack2_word((uint16_t)(a >> 32)),
+                                       (long long)unpack2_word((uint16_t)(a >> 48)));
+        } else {
+            uint64_t a, b;  // the chunk's 12 bytes as two 8-byte loads inside it (bytes 0-7 and 4-11)
+            memcpy(&a, qn + c / 8 * 3, 8);
+            memcpy(&b, qn + c / 8 * 3 + 4, 8);
+            codes = _mm256_setr_epi64x(
+                (long long)unpack3_word((uint32_t)a), (long long)unpack3_word((uint32_t)(a >> 24)),
+                (long long)unpack3_word((uint32_t)(b >> 16)), (long long)unpack3_word((uint32_t)(b >> 40)));
+        }
         const __m256i v = _mm256_shuffle_epi8(t, codes);
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));

@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) void rtn4_row_bf16(
 #undef DP_CASE
 }
 
-// 3/4/5-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, nl3, the signed grids as values -8..7 /
+// 2/3/4/5-bit codebook rows (value = scale * lut[code], no zero point: iq4nl, nl3, nl2, the signed grids as values -8..7 /
 // -16..15), x in x_to_bf16's permuted order (K % 64 == 0). lut: 32 bf16 words — 4-bit: the 16 values twice, so vpermw
 // on a widened byte (index = its low 5 bits) needs no mask for the low nibble; 5-bit: the 32 values, the fifth bits
 // (a plane after the K/2 nibble bytes of each row, LSB first) or-ed in as bit 4 of each index; 3-bit: the 8 values
@@ -192,6 +192,18 @@ static inline __attribute__((always_inline)) void cb3_chunk(const uint8_t* p, __
 #endif
 }
 
+// 64 2-bit codes of a 64-chunk (16 bytes; byte b holds elements 4b..4b+3, LSB first) as word pairs: word i of the
+// widened bytes holds byte i/2, shifted right 4 for odd i, so its bits 0-1 are element 2i's code and bits 2-3
+// element 2i+1's. No masking: the lut holds the 4 values eight times, so vpermw's index bits above the code select
+// the same value.
+static inline __attribute__((always_inline)) void cb2_chunk(const uint8_t* p, __m512i* ei, __m512i* oi) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)p);
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(v, v), _mm_unpacklo_epi8(v, v)));
+    const __m512i u = _mm512_srlv_epi16(w, _mm512_set1_epi32(4 << 16));  // odd words >> 4
+    *ei = u;
+    *oi = _mm512_srli_epi16(u, 2);
+}
+
 static inline __attribute__((always_inline)) void cb4_rows_p64(
     const uint16_t* xb, const i64 M, const uint8_t* q, const void* scale, int scale_bf16, const __m512i lut, i64 n,
     i64 K, i64 gs, const int bits, float* out) {
@@ -222,7 +234,9 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
             sidx = idx0;
         }
         __m512i ei, oi;
-        if (bits == 3) {
+        if (bits == 2) {
+            cb2_chunk(qn + 16 * c, &ei, &oi);
+        } else if (bits == 3) {
             cb3_chunk(qn + 24 * c, &ei, &oi);
         } else {
             const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + 32 * c)));
@@ -255,7 +269,7 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
     for (i64 m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-// M (1..8) and the bit width compile-time constants per case; bits: 3, 4 or 5.
+// M (1..8) and the bit width compile-time constants per case; bits: 2, 3, 4 or 5.
 static inline __attribute__((always_inline)) void cb4_row_bf16(
     const uint16_t* xb, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* lut16, i64 n,
     i64 K, i64 gs, int bits, float* out) {
@@ -263,6 +277,7 @@ static inline __attribute__((always_inline)) void cb4_row_bf16(
 #define CB_CASE(c) case c: \
     if (bits == 5) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 5, out); \
     else if (bits == 3) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 3, out); \
+    else if (bits == 2) cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 2, out); \
     else cb4_rows_p64(xb, c, q, scale, scale_bf16, lut, n, K, gs, 4, out); \
     break;
     switch (M) { CB_CASE(1) CB_CASE(2) CB_CASE(3) CB_CASE(4) CB_CASE(5) CB_CASE(6) CB_CASE(7) CB_CASE(8) }
