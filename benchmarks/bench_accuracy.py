@@ -93,7 +93,10 @@ def methods() -> dict[str, QuantConfig]:
         "iq4nl, attention q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80}),
         "iq4nl, attention + down q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80, "*.experts.w2": Q80}),
         **{f"moeq {n}": n for n in ("q4_0-opt", "q4_0-m", "iq4nl", "iq4nl-dq", "iq4nl-m", "iq4nl-l", "q8_0", "nf4-opt", "q5_0",
-                                    "q5_0-opt", "q5_0-m", "nl3", "nl3-s", "nl3-m")},
+                                    "q5_0-opt", "q5_0-m", "nl3", "nl3-s", "nl3-m", "nl2-m")},
+        "2-bit experts: RTN-int2 asym g32 (2.75 bits), the rest as nl2-m": QuantConfig(
+            RTN(4, 32, grid="iq4nl", search=7, weighting="row", double_quant=True),
+            rules={"*.experts": RTN(2, 32, False), **{p: Q80 for p in ("*.k_proj", "*.v_proj")}}),
         "nl3 g32 (3.25 + 16/K bits)": RTN(3, 32, grid="nl3", search=7, weighting="x2", double_quant=True),
         "ablation: nl3, row weights (sigma^2 + x^2)": RTN(3, 16, grid="nl3", search=7, weighting="row",
                                                           double_quant=True),
@@ -131,6 +134,13 @@ def hqq_library_model(path: str, nbits: int, group_size: int, dtype: torch.dtype
                 mod.weight.copy_(qdq(mod.weight))
                 n += mod.weight.numel()
     return m, n, nbits + 32 / group_size
+
+
+def experts_bpw(info: dict) -> float:
+    """Bits per weight of the routed experts alone (``moeq.inspect``'s module rows)."""
+    rows = [r for r in info["modules"] if ".experts." in r["module"]]
+    n = sum(int(torch.tensor(r["shape"]).prod()) for r in rows)
+    return 8.0 * sum(r["bytes"] for r in rows) / max(n, 1)
 
 
 def _row(method: str, secs: float, bpw: float, params: int) -> dict:
@@ -180,16 +190,20 @@ def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: 
     models, rows = {}, {}
     for spec in specs:
         qtype, *opts = spec.split(":")
-        pure, weighted = "pure" in opts, "imatrix" in opts
-        name = (f"{label}llama.cpp {qtype}" + (" --pure" if pure else " (its mix)")
+        pure, weighted, experts = "pure" in opts, "imatrix" in opts, "experts" in opts
+        name = (f"{label}llama.cpp {qtype}" + (" experts, attention IQ4_NL, k/v Q8_0" if experts else
+                                               " --pure" if pure else " (its mix)")
                 + (" +imatrix" if weighted else ""))
         t0 = time.perf_counter()
-        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{'-imat' if weighted else ''}.gguf",
-                                qtype, pure, imat if weighted else None)
+        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{'-imat' if weighted else ''}"
+                                f"{'-experts' if experts else ''}.gguf", qtype, pure, imat if weighted else None,
+                                experts)
         secs = time.perf_counter() - t0
         bpw, types, params = llamacpp.bits_per_weight(out)
         models[name] = moeq.load(out, dtype=dtype, progress=False)
-        rows[name] = _row(name, secs, bpw, params) | {"ggml_types": types, "imatrix": weighted}
+        rows[name] = _row(name, secs, bpw, params) | {"ggml_types": types, "imatrix": weighted,
+                                                      "experts_bits_per_weight": llamacpp.bits_per_weight(
+                                                          out, ("_exps.",))[0]}
     return models, rows, info
 
 
@@ -290,7 +304,8 @@ def main():
         secs = time.perf_counter() - t0
         info = moeq.inspect(m)
         models[name] = m
-        rows[name] = _row(name, secs, info["quantized_bits_per_weight"], info["quantized_params"])
+        rows[name] = _row(name, secs, info["quantized_bits_per_weight"], info["quantized_params"]) | {
+            "experts_bits_per_weight": experts_bpw(info)}
     for name in args.importance:
         label = f"{name} +importance"
         t0 = time.perf_counter()

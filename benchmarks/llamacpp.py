@@ -97,13 +97,25 @@ def same_tensors(a: Path, b: Path) -> bool:
         for n in ta)
 
 
-def quantize(exe: Path, src: Path, dst: Path, qtype: str, pure: bool = False, imatrix: Path | None = None) -> Path:
+# the big-MoE recipe as moeq's nl2-m spends it: experts at the row's type, attention (and shared experts, dense MLPs)
+# IQ4_NL, k and v Q8_0 (llama-quantize --tensor-type overrides on an IQ4_NL base)
+EXPERTS_RECIPE = ("IQ4_NL", ("attn_k=q8_0", "attn_v=q8_0", "attn_kv_a_mqa=q8_0", "attn_k_b=q8_0", "attn_v_b=q8_0"))
+
+
+def quantize(exe: Path, src: Path, dst: Path, qtype: str, pure: bool = False, imatrix: Path | None = None,
+             experts_only: bool = False) -> Path:
     """``llama-quantize`` (with ``imatrix``: weighted by that importance matrix); token embeddings and output kept
     BF16, as moeq keeps them, so both sides quantize the same tensors (attention and experts; llama.cpp never
-    quantizes the router)."""
+    quantizes the router). ``experts_only``: ``qtype`` on the routed experts only, the rest as
+    :data:`EXPERTS_RECIPE`."""
     cmd = [str(exe), "--token-embedding-type", "bf16", "--output-tensor-type", "bf16"]
     cmd += ["--pure"] if pure else []
     cmd += ["--imatrix", str(imatrix)] if imatrix is not None else []
+    if experts_only:
+        base, overrides = EXPERTS_RECIPE
+        for o in (*overrides, *(f"ffn_{k}_exps={qtype.lower()}" for k in ("gate", "up", "down"))):
+            cmd += ["--tensor-type", o]
+        qtype = base
     subprocess.run(cmd + [str(src), str(dst), qtype], check=True, capture_output=True, timeout=3600)
     return dst
 
@@ -116,15 +128,15 @@ def imatrix(exe: Path, model: Path, text: Path, out: Path, chunks: int, ctx: int
     return out
 
 
-def bits_per_weight(path: Path) -> tuple[float, dict[str, int], int]:
-    """Bits per weight over attention (q, k, v, o) and expert tensors, how many tensors of each type, and how many
-    weights."""
+def bits_per_weight(path: Path, names: tuple[str, ...] = ATTN_EXPERTS) -> tuple[float, dict[str, int], int]:
+    """Bits per weight over attention (q, k, v, o) and expert tensors (``names``: tensors whose name holds one of
+    them), how many tensors of each type, and how many weights."""
     import gguf  # noqa: PLC0415
 
     bits = count = 0
     types: dict[str, int] = {}
     for t in gguf.GGUFReader(path).tensors:
-        if any(s in t.name for s in ATTN_EXPERTS):
+        if any(s in t.name for s in names):
             block, per = gguf.GGML_QUANT_SIZES[t.tensor_type]
             n = int(np.prod(t.shape))
             bits += n * per * 8 / block

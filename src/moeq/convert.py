@@ -79,6 +79,7 @@ class ExpertsBuilder:
         self.has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
         self.biases: dict[str, torch.Tensor] = {}
         self.built = False
+        self.decode_layout = "auto"  # "rows": the built module keeps row-major stacks (a streamed export's)
 
     def _check_open(self, where: str) -> None:
         if self.built:
@@ -167,7 +168,8 @@ class ExpertsBuilder:
             self.stacks.clear()
             self.built = True
             return QuantExperts(w13, down, self.activation, self.biases.get("gate_up_proj"),
-                                self.biases.get("down_proj"), weight_on_input=self.arch.weight_on_input)
+                                self.biases.get("down_proj"), weight_on_input=self.arch.weight_on_input,
+                                decode_layout=self.decode_layout)
         for kind, q in self.stacks.items():  # stacks beside per-expert pieces: as pieces
             for e in e_range:
                 self.pieces[(e, kind)] = q[e]
@@ -183,11 +185,9 @@ class ExpertsBuilder:
             self.pieces.clear()
             self.built = True
             return self.module
-        slots = {"w13": [p for (_, k), p in self.pieces.items() if k != "down"],
-                 "w2": [p for (_, k), p in self.pieces.items() if k == "down"]}
         cls = {}
-        for slot, pieces in slots.items():
-            kinds = {type(p) for p in pieces}
+        for slot, down in (("w13", False), ("w2", True)):
+            kinds = {type(p) for (_, k), p in self.pieces.items() if (k == "down") == down}
             if len(kinds) != 1:
                 raise MoeqError(f"{self.name}.{slot}: experts mix formats {sorted(k.__name__ for k in kinds)}; "
                                 "every expert's weight of one slot must share a format")
@@ -203,6 +203,7 @@ class ExpertsBuilder:
         self.pieces.clear()
         self.built = True
         return QuantExperts(w13, w2, self.activation, self.biases.get("gate_up_proj"), self.biases.get("down_proj"),
+                            decode_layout=self.decode_layout,
                             weight_on_input=self.arch.weight_on_input)
 
 

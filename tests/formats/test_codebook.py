@@ -54,7 +54,9 @@ def test_native_search_matches_torch_twin(grid, bits, weighting):
     vals = torch.tensor(rtn.grid_values(grid, bits), dtype=torch.float32)
     codes, scale = codebook_search(w.float(), 32, vals, 7, rtn.WEIGHTINGS[weighting])
     assert torch.equal(b.scale, scale) and torch.equal(b.codes(), codes)  # the fallback is the twin itself
-    same = (a.scale == b.scale).float().mean()
+    # a symmetric table (nl2) fits a group equally well with either sign of its scale: that tie may break either way
+    mag = (lambda t: t.abs()) if grid == "nl2" else (lambda t: t)
+    same = (mag(a.scale) == mag(b.scale)).float().mean()
     # sums in another order may tip a near-tie candidate (32 levels: more candidates land on equal errors)
     assert same > (0.85 if bits == 5 else 0.99)
     ea, eb = _werr(w, a, weighting), _werr(w, b, weighting)
@@ -279,7 +281,9 @@ def test_nl2_two_bit_codebook(dtype):
     assert q.qdata.shape == (64, 512 // 4) and q.bits_per_weight == pytest.approx(2.5 + 16 / 512)
     assert torch.equal(unpack(q.qdata, 2), q.codes()) and int(q.codes().max()) <= 3
     twin = rtn.quantize(w, 2, 16, True, "nl2", search=7, weighting="x2", double_quant=True, native=False)
-    assert (twin.codes() == q.codes()).float().mean() > 0.99  # sums in another order may tip a near tie
+    # the same values (a symmetric table fits a group equally with either sign of its scale: codes may mirror)
+    same = (twin.dequantize(torch.float32) == q.dequantize(torch.float32)).float().mean()
+    assert same > 0.99  # sums in another order may tip a near tie
     full = rtn.quantize(w, 2, 16, True, "nl2", search=7, weighting="x2")
     assert torch.equal(rtn._double_quant(full, w, native_ok=False).qdata, q.qdata)  # native requant == torch
     assert torch.equal(q.dequantize(torch.float32), q.dequantize_reference(torch.float32))

@@ -60,7 +60,8 @@ class QuantExperts(DecodeLayout, nn.Module):
     IL16_SLOTS = ("w13", "w2")
 
     def __init__(self, w13: PackedWeight, w2: PackedWeight, activation: Activation,
-                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weight_on_input: bool = False):
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weight_on_input: bool = False,
+                 decode_layout: str = "auto"):
         super().__init__()
         self.weight_on_input = weight_on_input  # Llama 4 scales each expert's input by its router score
         self.num_experts, two_i, self.hidden_dim = w13.shape
@@ -70,7 +71,7 @@ class QuantExperts(DecodeLayout, nn.Module):
         set_packed(self, "w2", w2)
         self.b13 = None if b13 is None else nn.Parameter(b13, requires_grad=False)  # [E, 2I]
         self.b2 = None if b2 is None else nn.Parameter(b2, requires_grad=False)  # [E, H]
-        self._init_layout()
+        self._init_layout(decode_layout)  # "rows": never permuted to il16 (a streamed export writes it as built)
         self.choose_kernel()
 
     @property

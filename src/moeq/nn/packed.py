@@ -118,9 +118,9 @@ class DecodeLayout:
 
     IL16_SLOTS: tuple[str, ...] = ()
 
-    def _init_layout(self) -> None:
+    def _init_layout(self, decode_layout: str = "auto") -> None:
         self.__dict__["_activations"] = "default"
-        self.__dict__["_decode_layout"] = "auto"
+        self.__dict__["_decode_layout"] = decode_layout
 
     def packed(self, slot: str, raw: bool = False) -> PackedWeight:
         """A slot's weight, row-major (a permuted copy while held in il16), or with ``raw`` as held (the native

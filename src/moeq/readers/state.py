@@ -255,6 +255,8 @@ class LoadState:
         self.unused: list[str] = []
         self.sink = sink
         if sink is not None:
+            for b in self.builders.values():  # written as built, never run: no decode-layout copy of each stack
+                b.decode_layout = "rows"
             self.layers = next((n for n, m in self.model.named_modules()
                                 if isinstance(m, nn.ModuleList) and n.rpartition(".")[2] == "layers"), None)
             self.written: set[str] = set()
@@ -311,6 +313,7 @@ class LoadState:
             b = self.builders[m["mod"]]
             if "e" in m.groupdict():
                 b.put(int(m["e"]), self.arch.proj_kind(m["proj"]), read_float(self.ckpt, key), key)
+                release_memory()  # the source tensor's buffers, freed between the kept pieces (glibc keeps the holes)
             elif m["bias"]:
                 b.put_bias(m["param"], read_float(self.ckpt, key), key)
             else:
@@ -405,6 +408,7 @@ class LoadState:
         m = self.arch.expert_key_re.match(name)
         if m and m["mod"] in self.builders:
             self.builders[m["mod"]].put(int(m["e"]), self.arch.proj_kind(m["proj"]), w, head)
+            release_memory()
             self.build_if_complete(m["mod"])
             self._settle(name)
             return
