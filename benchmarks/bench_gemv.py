@@ -21,7 +21,8 @@ from moeq.nn.linear import QuantLinear  # noqa: E402
 
 FORMATS = {"q4_0": RTN(4, 32, grid="signed"), "rtn-int4 g128": RTN(4, 128), "iq4nl": RTN(4, 32, grid="iq4nl"),
            "q5_0": RTN(5, 32, grid="signed"), "q8_0": RTN(8, 32, grid="signed"), "nf4": BNB4("nf4", 64, True),
-           "iq4nl-dq": RTN(4, 32, grid="iq4nl", double_quant=True), "nl3": RTN(3, 16, grid="nl3", double_quant=True)}
+           "iq4nl-dq": RTN(4, 32, grid="iq4nl", double_quant=True), "nl3": RTN(3, 16, grid="nl3", double_quant=True),
+           "nl2": RTN(2, 16, grid="nl2", double_quant=True)}
 
 
 def main() -> None:

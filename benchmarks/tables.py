@@ -179,6 +179,29 @@ def full_depth(name: str = "full_depth.json") -> str:
     return "\n".join(lines)
 
 
+def deepseek_gguf(name: str = "deepseek_gguf.json") -> str:
+    """``bench_deepseek_gguf.py``: DeepSeek-V3's FP8 release layout at its real layer shapes to a q4_0 GGUF in one
+    streamed pass, then llama.cpp and moeq on that file."""
+    d = json.loads((RESULTS / name).read_text())
+    q, gb = d["steps"]["quantize_export"], 1e9
+    src = d["steps"]["source"]["bytes"] / gb
+    lc, mq = d.get("llama.cpp", {}), d["moeq"]
+    lines = [f"{d['threads']} threads, {d['cpu']['model']}, {d['date']} (llama.cpp: {lc.get('build', 'not run')}; "
+             f"`benchmarks/results/{name}`); DeepSeek-V3's shapes, {d['layers']} layers (1 dense, "
+             f"{d['layers'] - 1} MoE of {d['shape']['experts']} experts), {d['method']} experts + attention, bf16 "
+             "embeddings and head:", "",
+             "| step | result |", "|---|---|",
+             f"| FP8 checkpoint ({src:.1f} GB) to {d['method']} GGUF ({q['gguf_bytes'] / gb:.1f} GB), one streamed "
+             f"pass | {q['seconds']:.0f} s ({q['source_gbps']:.2f} GB/s of FP8 read), peak RSS "
+             f"{q['peak_rss_bytes'] / gb:.1f} GB, {q['checked_by_gguf_py']} tensors decoded back by gguf-py |"]
+    if lc:
+        lines.append(f"| llama.cpp runs the file (`llama-bench -p 64 -n 16`) | decode {lc['decode_tps']:.1f} tok/s, "
+                     f"pp64 {lc['prefill64_tps']:.0f} tok/s |")
+    lines.append(f"| moeq loads it back | {mq['load_seconds']:.0f} s; first token {mq['first_token_seconds']:.2f} s; "
+                 f"decode {mq['decode_tps']:.1f} tok/s |")
+    return "\n".join(lines)
+
+
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
@@ -187,7 +210,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
-          "full_depth": full_depth,
+          "full_depth": full_depth, "deepseek_gguf": deepseek_gguf,
           "hub_formats_spr": lambda: vs_llamacpp("mxfp4_fp8_vs_llamacpp_spr.json")}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 

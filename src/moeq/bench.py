@@ -21,7 +21,7 @@ QWEN3_30B_A3B = dict(hidden=2048, experts=128, top_k=8, moe_inter=768, heads=32,
                      vocab=151936)
 
 
-NAMED_METHODS = ("q4_0", "iq4nl", "iq4nl-dq", "nl3", "q8_0", "fp8", "mxfp4")  # as `moeq METHOD` systems
+NAMED_METHODS = ("q4_0", "iq4nl", "iq4nl-dq", "nl3", "nl2", "q8_0", "fp8", "mxfp4")  # as `moeq METHOD` systems
 
 
 def _presets(group_size: int = 128):
