@@ -92,7 +92,7 @@ def takes_int8(w: PackedWeight) -> bool:
 def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
     gs = k if w.group_size == -1 else w.group_size
     table = codebook_of(w, gs)
-    small = gs == 16 and table is not None  # codebooks at group 16 (AVX512-BF16 rows; AVX2: the 3-bit ones)
+    small = gs == 16 and table is not None  # codebooks at group 16 (AVX512-BF16 rows; AVX2: the 2/3-bit ones)
     if ((w.bits not in (4, 8) and table is None) or (gs % 32 and not small)
             or w.scale.dtype not in NATIVE_SCALE_DTYPES or (w.scale.dtype == torch.uint8 and table is None)):
         return None
@@ -107,11 +107,11 @@ def _describe_rtn(w: RTNWeight, e: int, n: int, k: int, keep: list, dot_bf16: bo
     keep += [w.qdata, w.scale, w.zero, w.scale_super]
     values = lut = None
     if table is not None:  # value = scale * table[code]; the bf16 kernels need x in 64-chunks and gs 32 or 64k (16:
-        # AVX512-BF16, and on AVX2 the 3-bit rows; the other AVX2 rows scale whole 32-chunks)
+        # AVX512-BF16, and on AVX2 the 2/3-bit rows; the other AVX2 rows scale whole 32-chunks)
         values, lut = codebook_tables(table)
         keep += [values, lut]
         dot_bf16 = dot_bf16 and k % 64 == 0 and (gs == 32 or gs % 64 == 0 or (small and (
-            native.has_dpbf16() or w.bits == 3)))  # AVX2: its 3-bit rows take group 16
+            native.has_dpbf16() or w.bits in (2, 3))))  # AVX2: its 2/3-bit rows take group 16
     return WStack(fmt=Fmt.RTN, dot_bf16=int(dot_bf16), q=w.qdata.data_ptr(), scale=w.scale.data_ptr(),
                   scale_bf16=w.scale_kind, absmax_u8=0, zero=native.ptr(w.zero), bits=w.bits, gs=gs, spe=1, N=n, K=k,
                   values=native.ptr(values), lut=native.ptr(lut), scale_super=native.ptr(w.scale_super))

@@ -197,8 +197,17 @@ static inline __attribute__((always_inline)) void cb3_chunk(const uint8_t* p, __
 // element 2i+1's. No masking: the lut holds the 4 values eight times, so vpermw's index bits above the code select
 // the same value.
 static inline __attribute__((always_inline)) void cb2_chunk(const uint8_t* p, __m512i* ei, __m512i* oi) {
+#if defined(__AVX512VBMI__)
+    // one vpermb: byte 2i of the result = source byte i/2 (the high byte of each word is garbage the lut ignores)
+    static const uint8_t half[64] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6,
+                                     7, 7, 7, 7, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11, 12, 12, 12,
+                                     12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
+    const __m512i w = _mm512_permutexvar_epi8(_mm512_loadu_si512(half),
+                                              _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)p)));
+#else
     const __m128i v = _mm_loadu_si128((const __m128i*)p);
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(v, v), _mm_unpacklo_epi8(v, v)));
+#endif
     const __m512i u = _mm512_srlv_epi16(w, _mm512_set1_epi32(4 << 16));  // odd words >> 4
     *ei = u;
     *oi = _mm512_srli_epi16(u, 2);
