@@ -102,6 +102,23 @@ def accuracy(name: str = "accuracy_vs_llamacpp.json", wanted: list[str] = ACCURA
     return "\n".join(lines)
 
 
+def accuracy_2bit(name: str = "accuracy_2bit_768.json") -> str:
+    """2-bit experts with the rest of the model at 4-8 bits, both sides the same recipe: every row of the run, the
+    experts' own bits per weight beside the whole quantized part's."""
+    d = json.loads((RESULTS / name).read_text())
+    lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 reference PPL {d['ref_ppl']:.2f} "
+             f"(`benchmarks/results/{name}`; {d.get('cpu', 'CPU not recorded')}):", "",
+             "| method | experts bits/weight | attention + experts bits/weight | PPL | mean KL vs bf16 | top-1 |",
+             "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        if "mean_kl" not in r or r["method"].startswith("floor"):
+            continue
+        eb = r.get("experts_bits_per_weight")
+        lines.append(f"| {r['method']} | {'' if eb is None else f'{eb:.2f}'} | {r['bits_per_weight']:.2f} | "
+                     f"{r['ppl']:.2f} | {r['mean_kl']:.3f} | {100 * r['top1']:.1f}% |")
+    return "\n".join(lines)
+
+
 def exports(name: str = "exports.json") -> str:
     d = json.loads((RESULTS / name).read_text())
     lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 PPL {d['ref_ppl']:.2f} (`benchmarks/results/{name}`):",
@@ -208,6 +225,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
           "accuracy_importance": lambda: accuracy("accuracy_importance.json", IMPORTANCE_ROWS, seconds=True),
           "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
+          "accuracy_2bit": accuracy_2bit,
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth, "deepseek_gguf": deepseek_gguf,

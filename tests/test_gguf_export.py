@@ -142,7 +142,8 @@ def assert_llama_cpp_agrees(path, m, src):
         llama.close()
 
 
-@pytest.mark.parametrize("method,requant", [("rtn-int4", "Q4_0"), ("nf4", "Q4_0"), ("int8", "Q8_0"), ("nl3", "Q4_0")])
+@pytest.mark.parametrize("method,requant", [("rtn-int4", "Q4_0"), ("nf4", "Q4_0"), ("int8", "Q8_0"), ("nl3", "Q4_0"),
+                                           ("nl2", "Q4_0")])
 def test_gguf_refuses_double_rounding_unless_asked(method, requant, tiny_ckpt, tmp_path):
     src = tiny_ckpt("qwen3_moe", **OVERRIDES["qwen3_moe"])
     m = moeq.load(src, quant=method, progress=False, dtype=torch.float32)
