@@ -213,6 +213,11 @@ static inline __attribute__((always_inline)) void cb2_chunk(const uint8_t* p, __
     *oi = _mm512_srli_epi16(u, 2);
 }
 
+// The codebook rows prefetch CB_PF bytes of codes ahead (rows are contiguous: past a row's end is the next row's).
+#ifndef CB_PF
+#define CB_PF 2048
+#endif
+
 static inline __attribute__((always_inline)) void cb4_rows_p64(
     const uint16_t* xb, const i64 M, const uint8_t* q, const void* scale, int scale_bf16, const __m512i lut, i64 n,
     i64 K, i64 gs, const int bits, float* out) {
@@ -243,6 +248,8 @@ static inline __attribute__((always_inline)) void cb4_rows_p64(
             sidx = idx0;
         }
         __m512i ei, oi;
+        if (CB_PF && (c & 3) == 0)  // once per 4 chunks (one to two cache lines of codes)
+            _mm_prefetch((const char*)(qn + c * (64 * bits / 8) + CB_PF), _MM_HINT_T0);
         if (bits == 2) {
             cb2_chunk(qn + 16 * c, &ei, &oi);
         } else if (bits == 3) {
