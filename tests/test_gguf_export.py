@@ -119,6 +119,20 @@ def test_gguf_lossless_and_llama_cpp_runs_it(model_type, method, tiny_ckpt, tmp_
     assert_llama_cpp_agrees(path, m, src)
 
 
+def assert_llama_cpp_exact(path, m):
+    """F32 weights (no activation rounding inside llama.cpp's matmuls): llama.cpp's greedy tokens are moeq's and its
+    logits equal moeq's to float rounding (0.2% of the largest) at every step checked."""
+    mine, logits = moeq_greedy(m, PROMPT, 16)
+    llama = LlamaCpp(path)
+    try:
+        assert llama.greedy(PROMPT, 16) == mine
+        for step in (0, 8, 15):
+            theirs = llama.logits(PROMPT + mine[:step])
+            assert np.abs(theirs - logits[step]).max() < 0.002 * np.abs(logits[step]).max()
+    finally:
+        llama.close()
+
+
 def assert_llama_cpp_agrees(path, m, src):
     """llama.cpp loads the file, tokenizes as transformers does, and computes moeq's logits and greedy tokens."""
     llama = LlamaCpp(path)

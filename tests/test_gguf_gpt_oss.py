@@ -13,9 +13,8 @@ from moeq.tiny import make_mxfp4_checkpoint
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("xllamacpp")
 
-from tests.llama_cpp import LlamaCpp  # noqa: E402
 from tests.models.test_gguf_foreign import strip  # noqa: E402
-from tests.test_gguf_export import PROMPT, assert_llama_cpp_agrees, gguf_types, gguf_values, moeq_greedy  # noqa: E402
+from tests.test_gguf_export import assert_llama_cpp_agrees, assert_llama_cpp_exact, gguf_types, gguf_values  # noqa: E402
 from tests.test_gguf_stream import assert_same_gguf  # noqa: E402
 
 
@@ -73,15 +72,7 @@ def test_gpt_oss_graph_maps_exactly(tiny_ckpt, tmp_path):
     m = moeq.load(src, progress=False, dtype=torch.float32)
     export(m, tmp_path / "g", "gguf", source=src)
     assert gguf_types(tmp_path / "g" / "model.gguf")["blk.0.ffn_gate_exps.weight"] == "F32"
-    mine, logits = moeq_greedy(m, PROMPT, 16)
-    llama = LlamaCpp(tmp_path / "g" / "model.gguf")
-    try:
-        assert llama.greedy(PROMPT, 16) == mine
-        for step in (0, 8, 15):
-            theirs = llama.logits(PROMPT + mine[:step])
-            assert np.abs(theirs - logits[step]).max() < 0.002 * np.abs(logits[step]).max()
-    finally:
-        llama.close()
+    assert_llama_cpp_exact(tmp_path / "g" / "model.gguf", m)
 
 
 @pytest.mark.parametrize("method", ["q8_0", "mxfp4"])

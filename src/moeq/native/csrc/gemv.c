@@ -703,7 +703,9 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
     const void* sc = (const char*)w->scale + e * N * G * scale_size(w->scale_bf16);
     const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
     const uint16_t* sup = w->scale_super ? w->scale_super + e * N : NULL;
-#define ROWS(B, CB)                                                                                           \
+// ROWS(FN, ...): every output row n for the m rows of x, 4 at a time: FN(xr, sr, rows, <the rest>, o), the row
+// count a compile-time constant per case
+#define ROWS(FN, ...)                                                                                         \
     _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)                                  \
         for (i64 r0 = 0; r0 < m; r0 += 4) {                                                                   \
             const i64 mc = m - r0 < 4 ? m - r0 : 4;                                                           \
@@ -711,36 +713,22 @@ int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float
             const int16_t* xr = xq + r0 * K;                                                                  \
             const float* sr = sx + r0 * K / 32;                                                               \
             switch (mc) {                                                                                     \
-                case 1: row_i16(xr, sr, 1, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
-                case 2: row_i16(xr, sr, 2, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
-                case 3: row_i16(xr, sr, 3, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;         \
-                default: row_i16(xr, sr, 4, q, sc, w->scale_bf16, z, t, n, K, w->gs, B, CB, o); break;        \
+                case 1: FN(xr, sr, 1, __VA_ARGS__, o); break;                                                 \
+                case 2: FN(xr, sr, 2, __VA_ARGS__, o); break;                                                 \
+                case 3: FN(xr, sr, 3, __VA_ARGS__, o); break;                                                 \
+                default: FN(xr, sr, 4, __VA_ARGS__, o); break;                                                \
             }                                                                                                 \
             for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);                      \
         }
-#define ROWS3(B)                                                                                              \
-    _Pragma("omp parallel for schedule(static)") for (i64 n = 0; n < N; n++)                                  \
-        for (i64 r0 = 0; r0 < m; r0 += 4) {                                                                   \
-            const i64 mc = m - r0 < 4 ? m - r0 : 4;                                                           \
-            float o[4];                                                                                       \
-            const int16_t* xr = xq + r0 * K;                                                                  \
-            const float* sr = sx + r0 * K / 32;                                                               \
-            switch (mc) {                                                                                     \
-                case 1: cb3_row_i16(xr, sr, 1, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;           \
-                case 2: cb3_row_i16(xr, sr, 2, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;           \
-                case 3: cb3_row_i16(xr, sr, 3, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;           \
-                default: cb3_row_i16(xr, sr, 4, q, sc, w->scale_bf16, t3, n, K, w->gs, B, o); break;          \
-            }                                                                                                 \
-            for (i64 r = 0; r < mc; r++) y[(r0 + r) * N + n] = o[r] * row_super(sup, n);                      \
-        }
-    if (cb && bits == 3) { ROWS3(3) }
-    else if (cb && bits == 2) { ROWS3(2) }
-    else if (cb && bits == 5) { ROWS(5, 1) }
-    else if (cb) { ROWS(4, 1) }
-    else if (bits == 8) { ROWS(8, 0) }
-    else { ROWS(4, 0) }
+    const int kind = w->scale_bf16;
+    const i64 gs = w->gs;
+    if (cb && bits == 3) { ROWS(cb3_row_i16, q, sc, kind, t3, n, K, gs, 3) }
+    else if (cb && bits == 2) { ROWS(cb3_row_i16, q, sc, kind, t3, n, K, gs, 2) }
+    else if (cb && bits == 5) { ROWS(row_i16, q, sc, kind, z, t, n, K, gs, 5, 1) }
+    else if (cb) { ROWS(row_i16, q, sc, kind, z, t, n, K, gs, 4, 1) }
+    else if (bits == 8) { ROWS(row_i16, q, sc, kind, z, t, n, K, gs, 8, 0) }
+    else { ROWS(row_i16, q, sc, kind, z, t, n, K, gs, 4, 0) }
 #undef ROWS
-#undef ROWS3
     return 1;
 #else
     (void)w; (void)e; (void)x; (void)m; (void)y; (void)scratch;
