@@ -25,6 +25,10 @@ class GgufFamily:
     norm_topk: bool | None  # llama.cpp renormalizes the top-k router weights for this graph (None: as configured)
     pre: str = "default"  # llama.cpp pre-tokenizer of the family's byte-level BPE tokenizers
     permute_qk: bool = False  # llama.cpp's "llama" graph uses interleaved RoPE: HF q/k rows are permuted to match
+    mla: bool = False  # DeepSeek's multi-head latent attention: kv_b split into the absorbed attn_k_b / attn_v_b
+    sigmoid_router: bool = False  # DeepSeek-style MoE: sigmoid scores, selection bias, groups, leading dense layers
+    yarn: str | None = None  # the YaRN llama.cpp maps: "mscale" (DeepSeek's mscale pair) or "plain"
+    oai_moe: bool = False  # gpt-oss: expert biases, clamped SwiGLU, sliding window on even layers, attention sinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +103,13 @@ _TABLE: tuple[Arch, ...] = (
                     head_dim=32)),
     Arch(("olmoe",), gguf=GgufFamily("olmoe", norm_topk=False, pre="olmo"), rotate=True,
          tiny=_tiny(intermediate_size=128, num_experts=4, num_experts_per_tok=2)),
-    Arch(("deepseek_v3",), gguf=GgufFamily("deepseek2", norm_topk=None, pre="deepseek-v3"),
+    Arch(("deepseek_v3",), gguf=GgufFamily("deepseek2", norm_topk=None, pre="deepseek-v3", mla=True,
+                                           sigmoid_router=True, yarn="mscale"),
          notes="MLA projections and shared experts quantized; router + bias kept",
          tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
                     n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=128,
                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)),
-    Arch(("glm4_moe",), gguf=GgufFamily("glm4moe", norm_topk=None, pre="glm4"), notes="GLM-4.5 (DeepSeek-style routing): shared experts quantized; router and its "
+    Arch(("glm4_moe",), gguf=GgufFamily("glm4moe", norm_topk=None, pre="glm4", sigmoid_router=True), notes="GLM-4.5 (DeepSeek-style routing): shared experts quantized; router and its "
                               "e_score_correction_bias kept; the first dense layers' MLPs quantized as linears",
          tiny=_tiny(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
                     n_shared_experts=1, first_k_dense_replace=1, head_dim=32, n_group=1, topk_group=1)),
@@ -129,7 +134,7 @@ _TABLE: tuple[Arch, ...] = (
          tiny=_tiny(intermediate_size=128, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
                     head_dim=32, interleave_moe_layer_step=1)),
     Arch(("gpt_oss",), transposed=True, interleaved=True, activation="gptoss", per_expert_on_disk=False,
-         gguf=GgufFamily("gpt-oss", norm_topk=None, pre="gpt-4o"),
+         gguf=GgufFamily("gpt-oss", norm_topk=None, pre="gpt-4o", yarn="plain", oai_moe=True),
          notes="from bf16 weights; expert biases; interleaved gate/up; attention sinks kept",
          tiny=_tiny(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
                     sliding_window=64, layer_types=("sliding_attention", "full_attention"))),

@@ -215,7 +215,7 @@ class Planner:
                                  tuple(logical), ref, parts if len(logical) == 3 else None))
 
     def experts(self, module: str, mod: QuantExperts) -> None:
-        if mod.b13 is not None and self.fam.arch != "gpt-oss":
+        if mod.b13 is not None and not self.fam.oai_moe:
             raise MoeqError(f"{module}: experts with biases have no llama.cpp {self.fam.arch} form")
         il = int(_LAYER.search(module + ".").group(1))
         pieces: dict[str, list[PackedWeight]] = {"gate": [], "up": [], "down": []}
@@ -233,7 +233,7 @@ class Planner:
                 self.add(f"blk.{il}.ffn_{kind}_exps.bias", make, qtype, "kept", tuple(b.shape))
 
     def linear(self, module: str, mod: QuantLinear) -> None:
-        if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj"):
+        if self.fam.mla and module.endswith(".kv_b_proj"):
             return self.mla_kv_b(module, mod.qweight)
         base = self.gguf_name(module)
         make, qtype, note, _ = _packed_stack([mod.qweight])
@@ -263,7 +263,7 @@ class Planner:
             make, qtype = _plain(t, True)
             return self.add(self.gguf_name(key) + ".weight", make, qtype, "kept", tuple(t.shape))
         module, _, suffix = key.rpartition(".")
-        if self.fam.arch == "deepseek2" and module.endswith(".kv_b_proj") and suffix == "weight":
+        if self.fam.mla and module.endswith(".kv_b_proj") and suffix == "weight":
             return self.mla_kv_b(module, t)
         if suffix == "e_score_correction_bias":  # llama.cpp's expert-selection bias: blk.N.exp_probs_b.bias
             module, suffix = module + ".e_score_correction", "bias"
@@ -353,19 +353,19 @@ def _check(model: nn.Module) -> GgufFamily:
         raise MoeqError(f"{mt}: no llama.cpp architecture is mapped for it; the GGUF export takes {SUPPORTS}")
     fam = GGUF_FAMILIES[mt]
     problems = _rope_problems(cfg, fam)
-    if getattr(cfg, "hidden_act", "silu") != "silu" and fam.arch != "gpt-oss":
+    if getattr(cfg, "hidden_act", "silu") != "silu" and not fam.oai_moe:
         problems.append(f"hidden_act={cfg.hidden_act!r} (llama.cpp runs SiLU experts here)")
     ntp = getattr(cfg, "norm_topk_prob", None)
     if ntp is not None and fam.norm_topk is not None and bool(ntp) != fam.norm_topk:
         problems.append(f"norm_topk_prob={ntp} (llama.cpp's {fam.arch} graph always uses {fam.norm_topk})")
-    if fam.arch == "gpt-oss":
+    if fam.oai_moe:
         want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_hidden_layers)]
         if list(getattr(cfg, "layer_types", None) or want) != want:
             problems.append("layer_types other than sliding/full alternating from layer 0 (llama.cpp's gpt-oss "
                             "pattern)")
         if float(getattr(cfg, "swiglu_limit", 7.0)) != 7.0:
             problems.append(f"swiglu_limit={cfg.swiglu_limit} (llama.cpp's gpt-oss clamps at 7.0)")
-    if fam.arch == "deepseek2" and not getattr(cfg, "rope_interleave", True):
+    if fam.mla and not getattr(cfg, "rope_interleave", True):
         problems.append("rope_interleave=False (llama.cpp's deepseek2 graph rotates interleaved pairs)")
     if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "mlp_only_layers", None) \
             or getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "clip_qkv", None) is not None:
@@ -379,26 +379,24 @@ def _check(model: nn.Module) -> GgufFamily:
 
 
 def _rope_problems(cfg, fam: GgufFamily) -> list[str]:
-    """Plain RoPE maps everywhere; YaRN (DeepSeek-V3, Kimi K2) where llama.cpp's arithmetic equals transformers':
-    deepseek2 with ``mscale == mscale_all_dim`` (transformers' rotary attention factor is then 1 and the softmax scale
-    carries ``mscale_all_dim``, as llama.cpp's ``yarn_log_mul`` does)."""
+    """Plain RoPE maps everywhere; YaRN where the family's llama.cpp graph computes what transformers does
+    (``GgufFamily.yarn``): "plain" (gpt-oss: attention factor 0.1 ln(factor) + 1 on both sides, no mscale pair) or
+    "mscale" (DeepSeek-V3, Kimi K2: ``mscale == mscale_all_dim``, so transformers' rotary attention factor is 1 and
+    the softmax scale carries ``mscale_all_dim``, as llama.cpp's ``yarn_log_mul`` does)."""
     rope = getattr(cfg, "rope_parameters", None) or {}
     kind = rope.get("rope_type", "default")
     if kind == "default":
         return []
-    if kind != "yarn" or fam.arch not in ("deepseek2", "gpt-oss"):
+    if kind != "yarn" or fam.yarn is None:
         return [f"rope_type={kind!r} (plain RoPE is mapped, and YaRN for deepseek2 and gpt-oss)"]
-    if fam.arch == "gpt-oss":  # llama.cpp's plain YaRN: attention factor 0.1 ln(factor) + 1, as transformers'
-        if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("attention_factor") is not None \
-                or not rope.get("factor") or not rope.get("original_max_position_embeddings"):
-            return [f"YaRN parameters {rope} (llama.cpp's gpt-oss YaRN takes factor, original_max_position_embeddings "
-                    "and beta_fast/beta_slow only)"]
-        return []
     msad = rope.get("mscale_all_dim")
-    if not msad or float(rope.get("mscale", 1.0)) != float(msad) or rope.get("attention_factor") is not None \
-            or not rope.get("factor") or not rope.get("original_max_position_embeddings"):
-        return [f"YaRN parameters {rope} (llama.cpp's deepseek2 YaRN needs factor, original_max_position_embeddings "
-                "and mscale == mscale_all_dim, without an explicit attention_factor)"]
+    pair = bool(msad) and float(rope.get("mscale", 1.0)) == float(msad) if fam.yarn == "mscale" else \
+        not rope.get("mscale") and not msad
+    if not pair or rope.get("attention_factor") is not None or not rope.get("factor") \
+            or not rope.get("original_max_position_embeddings"):
+        need = "mscale == mscale_all_dim" if fam.yarn == "mscale" else "no mscale pair"
+        return [f"YaRN parameters {rope} (llama.cpp's {fam.arch} YaRN needs factor, original_max_position_embeddings "
+                f"and {need}, without an explicit attention_factor)"]
     return []
 
 
@@ -419,8 +417,7 @@ def _rope_hparams(w, cfg) -> None:
 
 
 def _mla_hparams(w, cfg) -> None:
-    """deepseek2's keys (as convert_hf_to_gguf writes them): MLA as MQA over the compressed latent, the leading
-    dense layers, shared experts, and the sigmoid router with its groups, bias and scale."""
+    """deepseek2's attention keys (as convert_hf_to_gguf writes them): MLA as MQA over the compressed latent."""
     w.add_head_count_kv(1)
     w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.kv_lora_rank)
@@ -429,7 +426,6 @@ def _mla_hparams(w, cfg) -> None:
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     w.add_q_lora_rank(cfg.q_lora_rank or 0)  # 0: a plain q_proj (llama.cpp reads the key unless it guesses "Lite")
     w.add_kv_lora_rank(cfg.kv_lora_rank)
-    _sigmoid_router_hparams(w, cfg)
 
 
 def _sigmoid_router_hparams(w, cfg) -> None:
@@ -455,7 +451,7 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    if p.fam.arch == "deepseek2":
+    if p.fam.mla:
         _mla_hparams(w, cfg)
     else:
         w.add_head_count_kv(cfg.num_key_value_heads)
@@ -463,7 +459,7 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
         w.add_value_length(p.head_dim)
         rope = getattr(cfg, "rope_parameters", None) or {}  # GLM-4.5 rotates the first half of each head
         w.add_rope_dimension_count(int(p.head_dim * float(rope.get("partial_rotary_factor", 1.0))))
-    if p.fam.arch == "glm4moe":
+    if p.fam.sigmoid_router:
         _sigmoid_router_hparams(w, cfg)
     _rope_hparams(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -471,7 +467,7 @@ def _hparams(w, model: nn.Module, p: Planner) -> None:
     w.add_expert_count(n_exp)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(p.inter or getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
-    if p.fam.arch == "gpt-oss":
+    if p.fam.oai_moe:
         w.add_sliding_window(cfg.sliding_window)
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)

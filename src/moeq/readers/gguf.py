@@ -119,11 +119,12 @@ def config_from_metadata(reader, path: Path):
         raise MoeqError(f"{path}: GGUF architecture {arch!r}{' without experts' if mt else ''} is not one moeq maps "
                         f"(it reads {', '.join(f'{f.arch} ({m})' for m, f in GGUF_FAMILIES.items())}); run it with "
                         "llama.cpp")
-    mla, oss, glm = mt == "deepseek_v3", mt == "gpt_oss", mt == "glm4_moe"
+    fam = GGUF_FAMILIES[mt]
+    mla, oss, glm = fam.mla, fam.oai_moe, mt == "glm4_moe"  # the last: its transformers config's own fields
     unsupported = [k for k in reader.fields if (k.startswith(f"{arch}.rope.scaling.") and not (
-        (mla or oss) and k.split("rope.scaling.")[1] in _YARN_KEYS)) or (k.endswith(".sliding_window") and not oss)
+        fam.yarn and k.split("rope.scaling.")[1] in _YARN_KEYS)) or (k.endswith(".sliding_window") and not oss)
         or (k.startswith(f"{arch}.attention.sliding_window") and not oss)
-        or (k == f"{arch}.leading_dense_block_count" and not (mla or glm))]
+        or (k == f"{arch}.leading_dense_block_count" and not fam.sigmoid_router)]
     if (mla or (glm and _field(reader, f"{arch}.expert_gating_func") is not None)) \
             and _field(reader, f"{arch}.expert_gating_func") != 2:
         unsupported.append(f"{arch}.expert_gating_func={_field(reader, f'{arch}.expert_gating_func')} (sigmoid, 2, "
@@ -324,7 +325,7 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
                     targets[f"blk.{il}.ffn_{kind}_exps.bias"] = ("bias." + kind, name)
             continue
         base = planner.names.get_name(name)
-        if base is not None and fam.arch == "deepseek2" and name.endswith(".kv_b_proj"):
+        if base is not None and fam.mla and name.endswith(".kv_b_proj"):
             for part in ("k", "v"):  # the exporter's split of MLA's kv_b (Planner.mla_kv_b), joined again below
                 targets[base.replace("attn_kv_b", f"attn_{part}_b") + ".weight"] = (f"mla.{part}", f"{name}.weight")
             continue
