@@ -1,4 +1,5 @@
-"""Data-free importance (moeq.importance): random-token column statistics, measured on a q4_0 first pass, weigh the
+"""Data-free importance (moeq.importance): random-token column statistics, measured on a q8_0 first pass (q4_0 where
+that would not fit), weigh the
 scale search of the second — what llama.cpp's importance matrix does with calibration text."""
 import pytest
 import torch
@@ -62,11 +63,28 @@ def test_load_with_importance(tiny_ckpt, tmp_path, arch):
     assert torch.equal(wa.qdata, b.model.layers[0].mlp.experts.w13.qdata)  # seeded: the same bytes every time
     assert (wa.scale != wp.scale).float().mean() > 0.2
     assert a.config.quantization_config["importance"]["tokens"] == 1024
+    assert a.config.quantization_config["importance"]["measured_on"] == "q8_0"
     moeq.save(a, tmp_path / "out", source=src)
     again = moeq.load(tmp_path / "out", progress=False)
     ids = torch.arange(3, 40)[None]
     with torch.no_grad():
         assert torch.equal(a(ids).logits, again(ids).logits)
+
+
+def test_first_pass_falls_back_to_q4_0_where_q8_0_does_not_fit(tiny_ckpt, monkeypatch):
+    assert imp.first_pass(10**9, available=4 * 10**9) == "q8_0"
+    assert imp.first_pass(10**9, available=10**9) == "q4_0"  # 1.06 GB > 60% of 1 GB
+    src = tiny_ckpt("qwen3_moe")
+    n = moeq.readers.weight_count(src)
+    assert n > 0
+    monkeypatch.setattr(imp, "available_memory", lambda: n)  # a machine where the q8_0 copy would not fit
+    m = moeq.load(src, "iq4nl", importance=512, progress=False)
+    assert m.config.quantization_config["importance"]["measured_on"] == "q4_0"
+    monkeypatch.undo()
+    big = moeq.load(src, "iq4nl", importance=512, progress=False)
+    assert big.config.quantization_config["importance"]["measured_on"] == "q8_0"
+    w = lambda x: x.model.layers[0].mlp.experts.w13.scale  # noqa: E731
+    assert not torch.equal(w(m), w(big))  # the statistics differ with the first pass
 
 
 def test_importance_refusals(tiny_ckpt):

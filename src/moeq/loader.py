@@ -4,6 +4,7 @@ every streaming reader ends in :class:`~moeq.readers.state.LoadState`'s ``finish
 parameter filled, or an error naming them."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -55,10 +56,8 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
     if imp is not None and isinstance(qc, dict):  # saved with the model: how its scales were chosen
-        from moeq.importance import FIRST_PASS  # noqa: PLC0415
-
         qc["importance"] = {"tokens": imp.tokens, "seed": imp.seed, "inputs": "uniform random token ids",
-                            "measured_on": FIRST_PASS}
+                            "measured_on": imp.measured_on}
     if allocation is not None and isinstance(qc, dict):  # saved with the model: how its methods were chosen
         qc["allocation"] = allocation
     if activations != "default":
@@ -89,7 +88,7 @@ def allocate_for(src, quant, dtype, progress: bool, bpw: float, importance=None)
 
 def importance_for(src, quant, dtype, progress: bool, tokens: int):
     """The first pass of an ``importance=`` load: :func:`moeq.importance.collect` on the checkpoint loaded with
-    :data:`moeq.importance.FIRST_PASS`, on the CPU."""
+    :func:`moeq.importance.first_pass`'s method, on the CPU."""
     from moeq import importance as imp  # noqa: PLC0415
 
     qcfg = QuantConfig.of(quant) if quant is not None else None
@@ -98,8 +97,9 @@ def importance_for(src, quant, dtype, progress: bool, tokens: int):
                         f"q4_0-opt, ...); {quant!r} has none")
     if type(tokens) is not int or tokens < imp.SEQ or tokens % imp.SEQ:
         raise MoeqError(f"importance: a positive multiple of {imp.SEQ} tokens, got {tokens!r}")
-    first = finite.install(readers.read(src, imp.FIRST_PASS, dtype, progress, torch.device("cpu")))
+    method = imp.first_pass(readers.weight_count(src))
+    first = finite.install(readers.read(src, method, dtype, progress, torch.device("cpu")))
     try:
-        return imp.collect(first, tokens, progress=progress)
+        return dataclasses.replace(imp.collect(first, tokens, progress=progress), measured_on=method)
     finally:
         del first

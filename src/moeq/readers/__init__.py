@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -111,6 +112,14 @@ def read(path: Path, quant, dtype: torch.dtype | None, progress: bool, device: t
             raise MoeqError(f"{path}: a {reader.name} checkpoint is restored whole, not streamed layer by layer")
         found.sink = sink
     return reader.read(found, quant, dtype, progress)
+
+
+def weight_count(path: Path) -> int:
+    """Elements of a checkpoint's tensors as stored (packed formats count their bytes: an estimate from below)."""
+    found = inspect(path, torch.device("cpu"))
+    if found.ckpt is None:
+        return 0
+    return sum(math.prod(t.shape) for t in found.ckpt.tensors.values())
 
 
 SOURCE_ACTIONS = {  # what loading does with a checkpoint kind's weights: (without a method, with --method M)
