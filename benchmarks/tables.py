@@ -29,6 +29,12 @@ IMPORTANCE_ROWS = ["moeq q4_0-opt", "moeq q4_0-opt +importance", "moeq iq4nl", "
                    "moeq iq4nl-m", "moeq iq4nl-m +importance", "moeq bpw 4.75 +importance", "moeq bpw 4.9 +importance",
                    "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3", "moeq nl3 +importance", "moeq nl3-m",
                    "moeq nl3-m +importance", "moeq bpw 4.1 +importance"]
+IMPORTANCE_768_ROWS = ["llama.cpp IQ4_XS --pure", "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-dq",
+                       "moeq iq4nl-dq +importance", "moeq iq4nl +importance", "llama.cpp IQ4_XS (its mix) +imatrix",
+                       "moeq iq4nl-m +importance", "llama.cpp Q4_K_M (its mix) +imatrix",
+                       "llama.cpp Q3_K_S --pure +imatrix", "llama.cpp IQ3_S --pure +imatrix",
+                       "llama.cpp IQ3_XXS (its mix) +imatrix", "moeq nl3 +importance", "llama.cpp Q3_K_S (its mix) +imatrix",
+                       "llama.cpp IQ3_S (its mix) +imatrix", "moeq nl3-s +importance", "moeq nl3-m +importance"]
 BPW_ROWS = ["moeq nl3 +importance", "moeq bpw 3.6", "moeq bpw 3.6 +importance", "moeq bpw 3.9",
             "moeq bpw 3.9 +importance", "moeq nl3-m", "moeq nl3-m +importance", "moeq bpw 4.1", "moeq bpw 4.1 +importance",
             "moeq iq4nl-dq", "moeq iq4nl-dq +importance", "moeq bpw 4.3", "moeq bpw 4.3 +importance",
@@ -95,7 +101,8 @@ def accuracy(name: str = "accuracy_vs_llamacpp.json", wanted: list[str] = ACCURA
     for m in wanted:
         r = rows.get(m)
         if r is not None:
-            secs = ((" llama-imatrix + llama-quantize |" if m.startswith("llama.cpp") else
+            tools = "llama-imatrix + llama-quantize" if "+imatrix" in m else "llama-quantize"
+            secs = ((f" {tools} |" if m.startswith("llama.cpp") else
                      f" {r['quantize_seconds']:.1f} |") if seconds else "")
             lines.append(f"| {m} | {r['bits_per_weight']:.3f} | {r['ppl']:.2f} | {r['mean_kl']:.4f} | "
                          f"{100 * r['top1']:.1f}% |" + secs)
@@ -224,6 +231,8 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
           "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
           "accuracy_importance": lambda: accuracy("accuracy_importance.json", IMPORTANCE_ROWS, seconds=True),
+          "accuracy_importance_768": lambda: accuracy("accuracy_imatrix_768.json", IMPORTANCE_768_ROWS,
+                                                      seconds=True),
           "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
           "accuracy_2bit": accuracy_2bit,
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
