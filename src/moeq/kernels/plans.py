@@ -28,6 +28,9 @@ LARGE_WEIGHT = 1 << 25  # elements
 # Without AMX torch's bf16 matmul is no match for the gemv at these sizes: Qwen3-30B-A3B's q_proj in Q4_0 at 8 / 16 /
 # 32 rows, 0.45 / 0.89 / 1.77 ms against 1.42 / 1.76 / 2.39 ms dequantized (Zen 4, 2 threads).
 ROWS_NO_AMX = 32
+# An il16 weight's rows on the AMX tile unit (moeq_linear_amx): the native call takes up to 16 rows (Qwen3-30B-A3B's
+# q_proj in Q4_0, 2 Sapphire Rapids threads: 0.41 ms at 8 and 16 rows against 1.8 dequantized + matmul)
+TILE_ROWS = 16
 _SLOTS = ("_plan_linear", "_plan_experts", "_plan_routes")
 
 
@@ -156,7 +159,11 @@ def _build_linear(module) -> LinearPlan | None:
     extra = n * k // stack.gs if stack.fmt == Fmt.BNB4 else 0
     if module.__dict__.get("_rows16"):
         _attach_rows16(stack, keep)
-    return LinearPlan(stack, keep, n, k, min(LINEAR_MAX_ROWS, rows_limit(w)), 2 * k + k // 16 + 1, extra)
+    rows = rows_limit(w)
+    L = native.lib()
+    if L is not None and L.moeq_linear_amx_takes(ctypes.byref(stack), TILE_ROWS):
+        rows = max(rows, TILE_ROWS)  # on the tile unit up to 16 rows: 0.41 ms against 1.8 dequantized at 8-16 rows
+    return LinearPlan(stack, keep, n, k, min(LINEAR_MAX_ROWS, rows), 2 * k + k // 16 + 1, extra)
 
 
 def _attach_rows16(stack: WStack, keep: list) -> None:

@@ -173,6 +173,8 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_gemm_takes": (_INT, [_WS]),
     "moeq_amx_ready": (_INT, []),
     "moeq_set_amx": (None, [_INT]),
+    "moeq_set_linear_amx_rows": (None, [_INT]),
+    "moeq_linear_amx_takes": (_INT, [_WS, _I]),
     "moeq_moe_prefill": (_INT, [_WS, _WS, _P, _I, _I, _I, _P, _P, _P, _I, _P]),
     "moeq_attn_prefill_bf16": (_INT, [_P, _P, _P, _I, _I, _I, _I, _I, _F, _P]),
     "moeq_moe_forward_rtn4_bf16": (None, [_WS, _WS, _P, _I, _I, _P, _P, _P, _I, _P, _P]),

@@ -4,6 +4,7 @@
 #include "rtn4_rows.h"
 #include "rows_avx2.h"
 #include "il16_rows.h"
+#include "amx.h"
 
 // ---------------------------------------------------------------- fused MoE (decode) -----------------------------
 // One call per MoE layer for the token-expert pairs of a decode step: for each expert with rows, y = w2 @
@@ -98,6 +99,142 @@ static inline void il16_pass(const moeq_wstack* w, const i64* act, const i64* st
     }
 }
 #endif
+
+// ---------------------------------------------------------------- a few rows on the tile unit ----------------------
+// Past a few rows the il16 gemv is compute-bound (each weight re-expanded per row, 4 bf16 dot products per row and
+// 128 weights: Qwen3-30B-A3B's attention at 8 rows streams at a fifth of the read bandwidth). On CPUs with AMX the
+// codes of an il16 block, expanded through the table, are already the B operand of TDPBF16PS (per 4-column unit two
+// vectors of 16 rows x one column pair: 16 such vectors are one 32-column B tile) and x_to_il16's pairs are the A
+// operand's rows: one tile product per 32 columns for all rows at once, each group's sums scaled in fp32 as il16_block
+// does (the same weights and group sums; the sum order inside a group is the tile unit's).
+
+enum { LINEAR_AMX_MAX = 16 };
+static int linear_amx_rows = 4;  // fewest rows the tile path takes (moeq_set_linear_amx_rows; 0: never)
+
+void moeq_set_linear_amx_rows(int rows) { linear_amx_rows = rows; }
+
+int moeq_linear_amx_takes(const moeq_wstack* w, i64 M) {
+#if defined(MOEQ_IL16) && defined(MOEQ_AMX)
+    return linear_amx_rows > 0 && M >= linear_amx_rows && M <= LINEAR_AMX_MAX && w->il16 && w->gs % 32 == 0 &&
+           w->K <= 32768 && moeq_amx_on();
+#else
+    (void)w, (void)M;
+    return 0;
+#endif
+}
+
+#if defined(MOEQ_IL16) && defined(MOEQ_AMX)
+// Tiles for M activation rows: C (fp32 [M][16]) 0, 4, 5, 6 — four groups in flight, so their products overlap —,
+// A (bf16 [M][32]) 1 and 7, B ([16 pairs][16]) 2 and 3.
+static inline void amx_configure_rows(i64 M) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = (uint8_t)(t == 2 || t == 3 ? 16 : M);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// The B tile of 8 il16 units (32 columns x 16 rows) from their codes: per unit the table's values of the low and the
+// high nibbles, each a vector of 16 rows x one column pair.
+static inline void il16_b_tile(const uint8_t* cb, __m512i lut, uint16_t* b) {
+    for (int u = 0; u < 8; u++) {
+        const __m512i wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(cb + 32 * u)));
+        _mm512_storeu_si512(b + 64 * u, _mm512_permutexvar_epi16(wv, lut));
+        _mm512_storeu_si512(b + 64 * u + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut));
+    }
+}
+
+// The product of one 32-column step of group slot j (C tile C) at unit c0, its B tile built earlier into bt's slot.
+#define IL16_AMX_STEP(C, A, B, j)                                                                                 \
+    do {                                                                                                        \
+        _tile_loadd(A, xb + 4 * (((g0 + (j)) * gs + 32 * s) / 4), K * 2);                                       \
+        _tile_loadd(B, bt + 512 * (j), 64);                                                                     \
+        _tile_dpbf16ps(C, A, B);                                                                                \
+    } while (0)
+
+// y[m * ldy + r] (m < M) = row r of one il16 block against activation row m; xb: the rows in x_to_il16's order (bf16,
+// K apart); bt: 4 x 512 halves, cs: 4 x 256 floats (the thread's). gs % 32 == 0. Four groups at a time, each in its
+// own C tile; their sums scaled in fp32 as il16_block does. Each step's four B tiles are built before the first is
+// loaded (a tile load of just-stored bytes waits for the stores to land).
+static void il16_block_amx(const uint8_t* cb, const void* sb, int kind, const uint16_t* sup16, __m512i lut,
+                           const uint16_t* xb, i64 M, i64 K, i64 gs, float* y, i64 ldy, uint16_t* bt, float* cs) {
+    const i64 G = K / gs, ss = 16 * scale_size(kind);
+    __m512 tot[LINEAR_AMX_MAX];
+    for (i64 m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
+    for (i64 g0 = 0; g0 < G; g0 += 4) {
+        const i64 nj = G - g0 < 4 ? G - g0 : 4;
+        _tile_zero(0);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        for (i64 s = 0; s < gs / 32; s++) {
+            for (i64 j = 0; j < nj; j++) {
+                const i64 c0 = ((g0 + j) * gs + 32 * s) / 4;
+                for (int p = 0; p < 4; p++) _mm_prefetch((const char*)(cb + 32 * c0 + 4096 + 64 * p), _MM_HINT_T0);
+                il16_b_tile(cb + 32 * c0, lut, bt + 512 * j);
+            }
+            IL16_AMX_STEP(0, 1, 2, 0);
+            if (nj > 1) IL16_AMX_STEP(4, 7, 3, 1);
+            if (nj > 2) IL16_AMX_STEP(5, 1, 2, 2);
+            if (nj > 3) IL16_AMX_STEP(6, 7, 3, 3);
+        }
+        _tile_stored(0, cs, 64);
+        _tile_stored(4, cs + 256, 64);
+        _tile_stored(5, cs + 512, 64);
+        _tile_stored(6, cs + 768, 64);
+        for (i64 j = 0; j < nj; j++) {
+            const __m512 d = il16_scales((const char*)sb + (g0 + j) * ss, kind);
+            for (i64 m = 0; m < M; m++) tot[m] = _mm512_fmadd_ps(_mm512_loadu_ps(cs + 256 * j + 16 * m), d, tot[m]);
+        }
+    }
+    const __m512 f = sup16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sup16)), 16))
+                           : _mm512_set1_ps(1.f);
+    for (i64 m = 0; m < M; m++) _mm512_storeu_ps(y + m * ldy, _mm512_mul_ps(tot[m], f));
+}
+#undef IL16_AMX_STEP
+#endif
+
+// y [M][N] fp32 = x [M][K] (bf16) @ W^T for an il16 weight (expert 0) on the tile unit. Returns 1, or 0 (nothing
+// written) where moeq_linear_amx_takes declines or memory cannot be had.
+int moeq_linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y) {
+#if defined(MOEQ_IL16) && defined(MOEQ_AMX)
+    if (!moeq_linear_amx_takes(w, M)) return 0;
+    const i64 N = w->N, K = w->K, NB = N / 16;
+    uint16_t* xb = (uint16_t*)malloc((size_t)(M * K) * sizeof(uint16_t));
+    if (!xb) return 0;
+    for (i64 i = 0; i < M * K; i += 4) {  // x_to_il16's order: (x0, x2, x1, x3) per 4 columns
+        xb[i] = x[i];
+        xb[i + 1] = x[i + 2];
+        xb[i + 2] = x[i + 1];
+        xb[i + 3] = x[i + 3];
+    }
+    const __m512i lut = _mm512_loadu_si512(w->lut);
+#pragma omp parallel
+    {
+        uint16_t bt[2048] __attribute__((aligned(64)));
+        float cs[1024] __attribute__((aligned(64)));
+        amx_configure_rows(M);
+#pragma omp for schedule(static)
+        for (i64 b = 0; b < NB; b++)
+            il16_block_amx(il16_codes(w, 0, b), il16_scale_at(w, 0, b), w->scale_bf16, il16_sup(w, 0, b), lut, xb, M, K,
+                           w->gs, y + 16 * b, N, bt, cs);
+        _tile_release();
+    }
+    free(xb);
+    return 1;
+#else
+    (void)w, (void)x, (void)M, (void)y;
+    return 0;
+#endif
+}
 
 // ---------------------------------------------------------------- the decode kernel table ------------------------
 // One row per decode kernel (y[m, N] = x[m, K] @ W[e]^T, m <= 8, scratch as moeq_quant_linear_bf16 sizes it): which
@@ -366,8 +503,10 @@ void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, cons
     float* xf = scratch;
     float* yf = xf + M * K;
     float* sc = yf + M * N;
-    for (i64 i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
-    expert_gemv(w, 0, xf, M, yf, sc);
+    if (!moeq_linear_amx(w, x, M, yf)) {  // a few rows on the tile unit where it takes them
+        for (i64 i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
+        expert_gemv(w, 0, xf, M, yf, sc);
+    }
 #pragma omp parallel for schedule(static) if (M * N >= 65536)
     for (i64 i = 0; i < M * N; i++) {
         const uint16_t h = f2bf(yf[i]);

@@ -381,6 +381,9 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
 // ---- exports (gemm.c) ----
 int moeq_gemm_takes(const moeq_wstack* w);
+int moeq_linear_amx_takes(const moeq_wstack* w, i64 M);
+int moeq_linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y);
+void moeq_set_linear_amx_rows(int rows);
 int moeq_amx_ready(void);
 void moeq_set_amx(int on);
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
