@@ -43,8 +43,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    ap.add_argument("--tile-rows", type=int, default=None,
+                    help="fewest rows an il16 linear takes on the AMX tile unit (moeq_set_linear_amx_rows; 0: never)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "profile_decode.json"))
     args = ap.parse_args()
+    if args.tile_rows is not None:
+        native.lib().moeq_set_linear_amx_rows(args.tile_rows)
     src = bench.write_model(Path.home() / ".cache" / "moeq-bench" / f"qwen3-30b-a3b-shape-{args.layers}L-v151936",
                             args.layers)
     model = moeq.load(src, quant=_qconfig(args.method), progress=False)
@@ -137,7 +141,8 @@ def main() -> None:
         mb = nbytes[n] / 1e6
         gbs = nbytes[n] / ms / 1e6 if ms else 0.0
         print(f"| {n} | {ms:.2f} | {mb:.0f} | {gbs:.1f} | {gbs / bw:.0%} |")
-    write_json(Path(args.out), {"method": args.method, "batch": B, "activations": args.activations, "cpu": bench.cpu_summary(),
+    write_json(Path(args.out), {"method": args.method, "batch": B, "activations": args.activations,
+                                "tile_rows": args.tile_rows, "cpu": bench.cpu_summary(),
                                 "bytes": nbytes, "rounds": rounds})
 
 

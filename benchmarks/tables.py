@@ -229,6 +229,7 @@ def deepseek_gguf(name: str = "deepseek_gguf.json") -> str:
 TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
+          "vs_llamacpp_spr_tiles": lambda: vs_llamacpp("vs_llamacpp_spr_tiles.json"),
           "accuracy": accuracy, "accuracy_imatrix": lambda: accuracy("accuracy_imatrix.json", IMATRIX_ROWS),
           "accuracy_importance": lambda: accuracy("accuracy_importance.json", IMPORTANCE_ROWS, seconds=True),
           "accuracy_importance_768": lambda: accuracy("accuracy_imatrix_768.json", IMPORTANCE_768_ROWS,
