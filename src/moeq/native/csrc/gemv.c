@@ -347,6 +347,124 @@ int moeq_rtn8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void*
 #endif
 }
 
+// A decode step's MoE layer for 8-bit RTN experts (both stacks; rows per expert <= 8, as moeq_moe_routed groups
+// them): one parallel region for the whole layer — every active expert's w13 rows, SiLU-GLU and the activation
+// conversion, every w2 row, the weighted sum — where the per-expert path (moeq_moe_forward) opens two regions per
+// expert and runs its glue serially. The same arithmetic as that path (x rounded to bf16, x_to_i16, rtn8_row_i16, the
+// sum over experts in expert order per element): the same bits. Returns 1, or 0 (nothing written) outside its domain
+// or when memory cannot be had. x fp32 [T, H]; out fp32 [T, H] accumulated into.
+static int rtn8_layer_takes(const moeq_wstack* w) {
+    return w->fmt == MOEQ_FMT_RTN && w->bits == 8 && w->dot_bf16 && !w->values && !w->il16 && !w->act_i8 &&
+           w->gs % 32 == 0 && w->K % w->gs == 0 && w->K / w->gs <= 1024;
+}
+
+int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                        const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (!rtn8_layer_takes(w13) || !rtn8_layer_takes(w2) || w13->N != 2 * I || w13->K != H || w2->N != H || w2->K != I)
+        return 0;
+    i64 A = 0;
+    for (i64 e = 0; e < E; e++) {
+        const i64 m = expert_start[e + 1] - expert_start[e];
+        if (m > 8) return 0;
+        A += m > 0;
+    }
+    const i64 I2 = 2 * I, G1 = H / w13->gs, G2 = I / w2->gs;
+    const i64 sb13 = scale_size(w13->scale_bf16), sb2 = scale_size(w2->scale_bf16);
+    // per active expert, 8 row slots: x as bf16 and int16 with group scales, h, the activation likewise, y (bytes)
+    const size_t need = (size_t)(A * 8) * (size_t)(8 * H + 12 * I + 8 * G1 + 8 * G2) + 64;
+    i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
+    char* buf = (char*)malloc(need);
+    if (!act || !buf) {
+        free(act);
+        free(buf);
+        return 0;
+    }
+    A = 0;
+    for (i64 e = 0; e < E; e++)
+        if (expert_start[e + 1] > expert_start[e]) act[A++] = e;
+    uint16_t* xb = (uint16_t*)buf;                 // [A, 8, H]
+    int16_t* xq = (int16_t*)(xb + A * 8 * H);      // [A, 8, H]
+    float* sx = (float*)(xq + A * 8 * H);          // [A, 8, G1]
+    float* xs = sx + A * 8 * G1;                   // [A, 8, G1]
+    float* h = xs + A * 8 * G1;                    // [A, 8, 2I]
+    uint16_t* ab = (uint16_t*)(h + A * 8 * I2);    // [A, 8, I]
+    int16_t* aq = (int16_t*)(ab + A * 8 * I);      // [A, 8, I]
+    float* sa = (float*)(aq + A * 8 * I);          // [A, 8, G2]
+    float* as = sa + A * 8 * G2;                   // [A, 8, G2]
+    float* y = as + A * 8 * G2;                    // [A, 8, H]
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < A * 8; t++) {
+            const i64 a = t / 8, r = t % 8, e = act[a];
+            if (r >= expert_start[e + 1] - expert_start[e]) continue;
+            const float* xr = x + pair_tok[expert_start[e] + r] * H;
+            uint16_t* dst = xb + t * H;
+            for (i64 k = 0; k < H; k++) dst[k] = f2bf(xr[k]);
+            x_to_i16(dst, H, w13->gs, xq + t * H, sx + t * G1, xs + t * G1);
+        }
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < A * I2; t++) {
+            const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
+            const uint8_t* q = w13->q + e * (I2 * H);
+            const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
+            const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
+            float o[8], zt[8] = {0};
+            const int16_t* xa = xq + a * 8 * H;
+            const float *sxa = sx + a * 8 * G1, *xsa = xs + a * 8 * G1;
+            switch (m) {
+#define R8_M(c) case c: rtn8_row_i16(xa, sxa, xsa, c, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt); break;
+                R8_M(1) R8_M(2) R8_M(3) R8_M(4) R8_M(5) R8_M(6) R8_M(7) R8_M(8)
+#undef R8_M
+            }
+            for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
+        }
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < A * 8; t++) {
+            const i64 a = t / 8, r = t % 8, e = act[a];
+            if (r >= expert_start[e + 1] - expert_start[e]) continue;
+            float wide[I <= H ? 1 : I];  // the fp32 activation: in y's row (free until the w2 rows) when it fits
+            float* f = I <= H ? y + t * H : wide;
+            silu_glu_row(h + t * I2, h + t * I2 + I, I, f);
+            uint16_t* dst = ab + t * I;
+            for (i64 k = 0; k < I; k++) dst[k] = f2bf(f[k]);
+            x_to_i16(dst, I, w2->gs, aq + t * I, sa + t * G2, as + t * G2);
+        }
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < A * H; t++) {
+            const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
+            const uint8_t* q = w2->q + e * (H * I);
+            const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
+            const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
+            float o[8], zt[8] = {0};
+            const int16_t* xa = aq + a * 8 * I;
+            const float *sxa = sa + a * 8 * G2, *xsa = as + a * 8 * G2;
+            switch (m) {
+#define R8_M(c) case c: rtn8_row_i16(xa, sxa, xsa, c, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt); break;
+                R8_M(1) R8_M(2) R8_M(3) R8_M(4) R8_M(5) R8_M(6) R8_M(7) R8_M(8)
+#undef R8_M
+            }
+            for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
+        }
+#pragma omp for schedule(static)
+        for (i64 k = 0; k < H; k++)
+            for (i64 a = 0; a < A; a++) {
+                const i64 e = act[a], p0 = expert_start[e];
+                for (i64 r = 0; r < expert_start[e + 1] - p0; r++)
+                    out[pair_tok[p0 + r] * H + k] += pair_w[p0 + r] * y[(a * 8 + r) * H + k];
+            }
+    }
+    free(act);
+    free(buf);
+    return 1;
+#else
+    (void)w13, (void)w2, (void)x, (void)H, (void)I, (void)pair_tok, (void)pair_w, (void)expert_start, (void)E;
+    (void)out;
+    return 0;
+#endif
+}
+
 // y[M, N] = bf16(x[M, K] @ W[N, K]^T) for bf16 x and W: fp32 accumulation, rounded once, as torch's bf16 linear. For
 // routers (a few hundred KB of weight), where torch's CPU bf16 gemv is dominated by dispatch, and kept heads. K % 32 == 0;
 // returns 0 (nothing written) otherwise or without AVX512-BF16 or AVX2.

@@ -799,7 +799,7 @@ static void moe_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float
         ;  // the int8-activation option
     else if (both & MOEQ_LAYER_EXPERTS)
         moeq_moe_forward_rtn4_bf16(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
-    else
+    else if (!moeq_moe_rtn8_layer(w13, w2, x, H, I, tok, wts, starts, E, out))  // 8-bit: one region per layer
         moeq_moe_forward(w13, w2, x, H, I, tok, wts, starts, E, out, scratch);
 }
 

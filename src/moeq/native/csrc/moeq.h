@@ -381,6 +381,8 @@ int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* 
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
 // ---- exports (gemm.c) ----
 int moeq_gemm_takes(const moeq_wstack* w);
+int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                        const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 int moeq_linear_amx_takes(const moeq_wstack* w, i64 M);
 int moeq_linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y);
 void moeq_set_linear_amx_rows(int rows);
