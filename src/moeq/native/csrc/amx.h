@@ -1,5 +1,5 @@
 // The tile unit (AMX-BF16, Sapphire Rapids and later), shared by the kernels that use it (gemm.c: a prompt's expert
-// GEMMs; bf12.c: the kept head for several rows). Linux grants the tile data per process (moeq_amx_ready, gemm.c);
+// GEMMs; bf12.c: the kept head for several rows; moe.c: an il16 linear's few decode rows). Linux grants the tile data per process (moeq_amx_ready, gemm.c);
 // moeq_amx_on says whether the tile kernels may run now. A kernel configures the tiles in each thread that uses them
 // (amx_configure) and releases them at the end of its parallel region (_tile_release).
 #ifndef MOEQ_AMX_H
@@ -17,8 +17,8 @@
 int moeq_amx_on(void);  // built with AMX, permission granted (moeq_amx_ready) and not turned off (moeq_set_amx)
 
 #if defined(MOEQ_AMX)
-// Every tile 16 rows x 64 bytes: A (weights 16 x 32 bf16), B (16 pairs x 16 tokens), C (16 x 16 fp32).
-static inline void amx_configure(void) {
+// Tile t rows[t] x 64 bytes (8 tiles).
+static inline void amx_configure_rows(const uint8_t rows[8]) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -28,9 +28,15 @@ static inline void amx_configure(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.rows[t] = rows[t];
     }
     _tile_loadconfig(&cfg);
+}
+
+// Every tile 16 rows x 64 bytes: A (weights 16 x 32 bf16), B (16 pairs x 16 tokens), C (16 x 16 fp32).
+static inline void amx_configure(void) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_configure_rows(rows);
 }
 
 // y [16 RB][ldy] (from token p) = RB weight tiles of 16 rows (wt [16 RB][K]) times NB token blocks of 16 (xt pairs):

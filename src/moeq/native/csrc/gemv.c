@@ -358,6 +358,29 @@ static int rtn8_layer_takes(const moeq_wstack* w) {
            w->gs % 32 == 0 && w->K % w->gs == 0 && w->K / w->gs <= 1024;
 }
 
+// Inside a parallel region: y[a, 8, N] rows 0..m-1 = W[act[a]] x[a] for every active expert a with its m rows (x
+// int16 at [a, 8, K] with group scales sx and sums xs at [a, 8, G], as x_to_i16 gives them), all rows over the threads.
+static inline void rtn8_pass(const moeq_wstack* w, const i64* act, const i64* start, i64 A, const int16_t* xq,
+                             const float* sx, const float* xs, float* y) {
+    const i64 N = w->N, K = w->K, G = K / w->gs, sb = scale_size(w->scale_bf16);
+#pragma omp for schedule(static)
+    for (i64 t = 0; t < A * N; t++) {
+        const i64 a = t / N, n = t % N, e = act[a], m = start[e + 1] - start[e];
+        const uint8_t* q = w->q + e * (N * K);
+        const void* sc = (const char*)w->scale + e * N * G * sb;
+        const uint8_t* z = w->zero ? w->zero + e * N * G : NULL;
+        const int16_t* xa = xq + a * 8 * K;
+        const float *sxa = sx + a * 8 * G, *xsa = xs + a * 8 * G;
+        float o[8], zt[8] = {0};
+        switch (m) {
+#define R8_M(c) case c: rtn8_row_i16(xa, sxa, xsa, c, q, sc, w->scale_bf16, z, n, K, w->gs, o, zt); break;
+            R8_M(1) R8_M(2) R8_M(3) R8_M(4) R8_M(5) R8_M(6) R8_M(7) R8_M(8)
+#undef R8_M
+        }
+        for (i64 r = 0; r < m; r++) y[(a * 8 + r) * N + n] = o[r] - zt[r];
+    }
+}
+
 int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
                         const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -370,7 +393,6 @@ int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const flo
         A += m > 0;
     }
     const i64 I2 = 2 * I, G1 = H / w13->gs, G2 = I / w2->gs;
-    const i64 sb13 = scale_size(w13->scale_bf16), sb2 = scale_size(w2->scale_bf16);
     // per active expert, 8 row slots: x as bf16 and int16 with group scales, h, the activation likewise, y (bytes)
     const size_t need = (size_t)(A * 8) * (size_t)(8 * H + 12 * I + 8 * G1 + 8 * G2) + 64;
     i64* act = (i64*)malloc((size_t)(A + 1) * sizeof(i64));
@@ -404,22 +426,7 @@ int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const flo
             for (i64 k = 0; k < H; k++) dst[k] = f2bf(xr[k]);
             x_to_i16(dst, H, w13->gs, xq + t * H, sx + t * G1, xs + t * G1);
         }
-#pragma omp for schedule(static)
-        for (i64 t = 0; t < A * I2; t++) {
-            const i64 a = t / I2, n = t % I2, e = act[a], m = expert_start[e + 1] - expert_start[e];
-            const uint8_t* q = w13->q + e * (I2 * H);
-            const void* sc = (const char*)w13->scale + e * I2 * G1 * sb13;
-            const uint8_t* z = w13->zero ? w13->zero + e * I2 * G1 : NULL;
-            float o[8], zt[8] = {0};
-            const int16_t* xa = xq + a * 8 * H;
-            const float *sxa = sx + a * 8 * G1, *xsa = xs + a * 8 * G1;
-            switch (m) {
-#define R8_M(c) case c: rtn8_row_i16(xa, sxa, xsa, c, q, sc, w13->scale_bf16, z, n, H, w13->gs, o, zt); break;
-                R8_M(1) R8_M(2) R8_M(3) R8_M(4) R8_M(5) R8_M(6) R8_M(7) R8_M(8)
-#undef R8_M
-            }
-            for (i64 r = 0; r < m; r++) h[(a * 8 + r) * I2 + n] = o[r] - zt[r];
-        }
+        rtn8_pass(w13, act, expert_start, A, xq, sx, xs, h);
 #pragma omp for schedule(static)
         for (i64 t = 0; t < A * 8; t++) {
             const i64 a = t / 8, r = t % 8, e = act[a];
@@ -431,22 +438,7 @@ int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const flo
             for (i64 k = 0; k < I; k++) dst[k] = f2bf(f[k]);
             x_to_i16(dst, I, w2->gs, aq + t * I, sa + t * G2, as + t * G2);
         }
-#pragma omp for schedule(static)
-        for (i64 t = 0; t < A * H; t++) {
-            const i64 a = t / H, n = t % H, e = act[a], m = expert_start[e + 1] - expert_start[e];
-            const uint8_t* q = w2->q + e * (H * I);
-            const void* sc = (const char*)w2->scale + e * H * G2 * sb2;
-            const uint8_t* z = w2->zero ? w2->zero + e * H * G2 : NULL;
-            float o[8], zt[8] = {0};
-            const int16_t* xa = aq + a * 8 * I;
-            const float *sxa = sa + a * 8 * G2, *xsa = as + a * 8 * G2;
-            switch (m) {
-#define R8_M(c) case c: rtn8_row_i16(xa, sxa, xsa, c, q, sc, w2->scale_bf16, z, n, I, w2->gs, o, zt); break;
-                R8_M(1) R8_M(2) R8_M(3) R8_M(4) R8_M(5) R8_M(6) R8_M(7) R8_M(8)
-#undef R8_M
-            }
-            for (i64 r = 0; r < m; r++) y[(a * 8 + r) * H + n] = o[r] - zt[r];
-        }
+        rtn8_pass(w2, act, expert_start, A, aq, sa, as, y);
 #pragma omp for schedule(static)
         for (i64 k = 0; k < H; k++)
             for (i64 a = 0; a < A; a++) {

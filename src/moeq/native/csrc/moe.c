@@ -126,19 +126,9 @@ int moeq_linear_amx_takes(const moeq_wstack* w, i64 M) {
 #if defined(MOEQ_IL16) && defined(MOEQ_AMX)
 // Tiles for M activation rows: C (fp32 [M][16]) 0, 4, 5, 6 — four groups in flight, so their products overlap —,
 // A (bf16 [M][32]) 1 and 7, B ([16 pairs][16]) 2 and 3.
-static inline void amx_configure_rows(i64 M) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = (uint8_t)(t == 2 || t == 3 ? 16 : M);
-    }
-    _tile_loadconfig(&cfg);
+static inline void amx_configure_m(i64 M) {
+    const uint8_t m = (uint8_t)M, rows[8] = {m, m, 16, 16, m, m, m, m};
+    amx_configure_rows(rows);
 }
 
 // The B tile of 8 il16 units (32 columns x 16 rows) from their codes: per unit the table's values of the low and the
@@ -221,7 +211,7 @@ int moeq_linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y) {
     {
         uint16_t bt[2048] __attribute__((aligned(64)));
         float cs[1024] __attribute__((aligned(64)));
-        amx_configure_rows(M);
+        amx_configure_m(M);
 #pragma omp for schedule(static)
         for (i64 b = 0; b < NB; b++)
             il16_block_amx(il16_codes(w, 0, b), il16_scale_at(w, 0, b), w->scale_bf16, il16_sup(w, 0, b), lut, xb, M, K,
