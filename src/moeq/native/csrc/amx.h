@@ -1,7 +1,8 @@
 // The tile unit (AMX-BF16, Sapphire Rapids and later), shared by the kernels that use it (gemm.c: a prompt's expert
-// GEMMs; bf12.c: the kept head for several rows; moe.c: an il16 linear's few decode rows). Linux grants the tile data per process (moeq_amx_ready, gemm.c);
-// moeq_amx_on says whether the tile kernels may run now. A kernel configures the tiles in each thread that uses them
-// (amx_configure) and releases them at the end of its parallel region (_tile_release).
+// GEMMs; bf12.c: the kept head for several rows; moe.c: an il16 linear's few decode rows). Linux grants the tile data
+// per process (moeq_amx_ready, gemm.c); moeq_amx_on says whether the tile kernels may run now. A kernel configures
+// the tiles in each thread that uses them (amx_configure) and releases them at the end of its parallel region
+// (_tile_release).
 #ifndef MOEQ_AMX_H
 #define MOEQ_AMX_H
 #include "moeq.h"

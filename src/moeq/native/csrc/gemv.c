@@ -386,12 +386,8 @@ int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const flo
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     if (!rtn8_layer_takes(w13) || !rtn8_layer_takes(w2) || w13->N != 2 * I || w13->K != H || w2->N != H || w2->K != I)
         return 0;
-    i64 A = 0;
-    for (i64 e = 0; e < E; e++) {
-        const i64 m = expert_start[e + 1] - expert_start[e];
-        if (m > 8) return 0;
-        A += m > 0;
-    }
+    i64 A = active_experts(expert_start, E, 8);
+    if (A < 0) return 0;
     const i64 I2 = 2 * I, G1 = H / w13->gs, G2 = I / w2->gs;
     // per active expert, 8 row slots: x as bf16 and int16 with group scales, h, the activation likewise, y (bytes)
     const size_t need = (size_t)(A * 8) * (size_t)(8 * H + 12 * I + 8 * G1 + 8 * G2) + 64;

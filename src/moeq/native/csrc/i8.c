@@ -588,12 +588,8 @@ int moeq_moe_forward_i8(const moeq_wstack* w13, const moeq_wstack* w2, const flo
     if (!i8_supported(w13, 4) || !i8_supported(w2, 4) || !i8_lut(w13, &lut13, &cb13) || !i8_lut(w2, &lut2, &cb2) ||
         w13->K != H || w2->K != I || w13->N != 2 * I || w2->N != H)
         return 0;
-    i64 A = 0;
-    for (i64 e = 0; e < E; e++) {
-        const i64 m = expert_start[e + 1] - expert_start[e];
-        if (m > 8) return 0;
-        A += m > 0;
-    }
+    i64 A = active_experts(expert_start, E, 8);
+    if (A < 0) return 0;
     const i64 I2 = 2 * I, C1 = i8_chunks(H), C2 = i8_chunks(I);
     i64 T = 0;  // tokens: each one's activations quantized once, whatever its number of experts
     for (i64 p = 0; p < expert_start[E]; p++) T = pair_tok[p] + 1 > T ? pair_tok[p] + 1 : T;

@@ -98,6 +98,17 @@ static inline float load_scale(const void* s, int kind, i64 i) {
                        : ((const float*)s)[i];
 }
 
+// Experts with rows in a pair grouping (expert_start [E + 1]); -1 when one has more than most rows.
+static inline i64 active_experts(const i64* expert_start, i64 E, i64 most) {
+    i64 A = 0;
+    for (i64 e = 0; e < E; e++) {
+        const i64 m = expert_start[e + 1] - expert_start[e];
+        if (m > most) return -1;
+        A += m > 0;
+    }
+    return A;
+}
+
 static inline i64 scale_size(int kind) { return kind >= 2 ? 1 : kind ? 2 : 4; }
 
 #if defined(__AVX512F__)
