@@ -39,6 +39,7 @@ from transformers import AutoTokenizer
 import moeq
 from moeq.bench import cpu_summary
 from moeq.config import BNB4, FP4, NF4, RTN, Int8, QuantConfig, presets
+from moeq.errors import MoeqError
 from moeq.eval import DECODE_CHUNK, evaluate_many, tokenize
 from moeq.io.writer import write_json
 
@@ -286,6 +287,7 @@ def main():
                          "reference model, each tensor's method chosen for each budget): rows 'moeq bpw BITS', and "
                          "with --bpw-importance also 'moeq bpw BITS +importance'")
     ap.add_argument("--bpw-importance", action="store_true")
+    ap.add_argument("--bpw-importance-only", action="store_true", help="only the 'moeq bpw BITS +importance' rows")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -322,14 +324,20 @@ def main():
         from moeq.loader import importance_for  # noqa: PLC0415
 
         measured = {}
-        for imp in (0, args.importance_tokens) if args.bpw_importance else (0,):
+        sources = (args.importance_tokens,) if args.bpw_importance_only else (
+            (0, args.importance_tokens) if args.bpw_importance else (0,))
+        for imp in sources:
             t0 = time.perf_counter()  # as moeq.load(bpw=, importance=): statistics first, errors weighted by them
             stats = importance_for(Path(args.model), "iq4nl", dtype, False, imp) if imp else None
             measured[imp] = (allocate.measure(ref, progress=False, importance=stats), time.perf_counter() - t0)
         for bits in args.bpw:
             for imp, (sens, measure_secs) in measured.items():  # measure_secs: shared by every budget, in each row
-                cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
                 label = f"moeq bpw {bits:g}" + (" +importance" if imp else "")
+                try:
+                    cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
+                except MoeqError as e:  # a budget outside the ladder's range: the other budgets still run
+                    print(f"{label}: {e}", file=sys.stderr)
+                    continue
                 t0 = time.perf_counter()
                 m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False, importance=imp)
                 secs = measure_secs + time.perf_counter() - t0
