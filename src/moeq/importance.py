@@ -58,8 +58,8 @@ def first_pass(weights: int, available: int | None = None) -> str:
     available = available_memory() if available is None else available
     if weights * 8.5 / 8 <= MEMORY_SHARE * available:
         return FIRST_PASS
-    log.info("importance: a q8_0 first pass (%.1f GB) would not fit in %.1f GB available; measuring on %s",
-             weights * 8.5 / 8 / 1e9, available / 1e9, SMALL_PASS)
+    log.info("importance: a %s first pass (%.1f GB) would not fit in %.1f GB available; measuring on %s",
+             FIRST_PASS, weights * 8.5 / 8 / 1e9, available / 1e9, SMALL_PASS)
     return SMALL_PASS
 
 

@@ -1,4 +1,4 @@
-"""Decode-step linears for a few rows on the AMX tile unit (``moeq_linear_amx``, moe.c): an il16 weight's codes,
+"""Decode-step linears for a few rows on the AMX tile unit (``linear_amx`` in moe.c): an il16 weight's codes,
 expanded through its table, are the B tiles of TDPBF16PS and all rows ride in one A tile. Checked against a float64
 reference over the dequantized weights and against the gemv kernels it replaces (``moeq_set_linear_amx_rows(0)``),
 for every 4-bit format in the il16 layout, every row count it takes, a row count N of blocks that does not divide

@@ -194,7 +194,7 @@ static void il16_block_amx(const uint8_t* cb, const void* sb, int kind, const ui
 
 // y [M][N] fp32 = x [M][K] (bf16) @ W^T for an il16 weight (expert 0) on the tile unit. Returns 1, or 0 (nothing
 // written) where moeq_linear_amx_takes declines or memory cannot be had.
-int moeq_linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y) {
+static int linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y) {
 #if defined(MOEQ_IL16) && defined(MOEQ_AMX)
     if (!moeq_linear_amx_takes(w, M)) return 0;
     const i64 N = w->N, K = w->K, NB = N / 16;
@@ -493,7 +493,7 @@ void moeq_quant_linear_bf16(const moeq_wstack* w, const uint16_t* x, i64 M, cons
     float* xf = scratch;
     float* yf = xf + M * K;
     float* sc = yf + M * N;
-    if (!moeq_linear_amx(w, x, M, yf)) {  // a few rows on the tile unit where it takes them
+    if (!linear_amx(w, x, M, yf)) {  // a few rows on the tile unit where it takes them
         for (i64 i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
         expert_gemv(w, 0, xf, M, yf, sc);
     }

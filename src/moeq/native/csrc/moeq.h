@@ -364,6 +364,8 @@ void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 
 int moeq_fp8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk,
                        float* y);
 int moeq_avx2_gemv_i16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch);  // internal
+int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
+                        const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 // ---- exports (i8.c) ----
 int moeq_has_i8_dot(void);
 int moeq_i8_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y);
@@ -390,13 +392,10 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
                                 float* scratch);
 int moeq_moe_routed(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I, const i64* idx,
                     const float* wt, i64 T, i64 A, i64 E, float* out, float* scratch);
+int moeq_linear_amx_takes(const moeq_wstack* w, i64 M);
+void moeq_set_linear_amx_rows(int rows);
 // ---- exports (gemm.c) ----
 int moeq_gemm_takes(const moeq_wstack* w);
-int moeq_moe_rtn8_layer(const moeq_wstack* w13, const moeq_wstack* w2, const float* x, i64 H, i64 I,
-                        const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
-int moeq_linear_amx_takes(const moeq_wstack* w, i64 M);
-int moeq_linear_amx(const moeq_wstack* w, const uint16_t* x, i64 M, float* y);
-void moeq_set_linear_amx_rows(int rows);
 int moeq_amx_ready(void);
 void moeq_set_amx(int on);
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
