@@ -276,9 +276,30 @@ static inline __attribute__((always_inline)) void rtn8_row_i16(
             _mm512_mask_storeu_ps(sfx + m * G + g, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sf + g),
                                                                     _mm512_maskz_loadu_ps(k, sx + m * G + g)));
         }
+    const uint8_t* qn = q + n * K;
+    if (M == 1 && gs == 32) {  // q8_0 decode: four groups in flight, so no one chain of dependent FMAs bounds the row
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        i64 g = 0;
+#define R8_G(A, G_)                                                                                                  \
+    A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(                                                     \
+                            _mm512_setzero_si512(), _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + (G_) * 32))), \
+                            _mm512_loadu_si512(xq + (G_) * 32))),                                                    \
+                        _mm512_set1_ps(sfx[G_]), A)
+        for (; g + 4 <= G; g += 4) {
+            _mm_prefetch((const char*)(qn + g * 32 + R8_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char*)(qn + g * 32 + 64 + R8_PREFETCH), _MM_HINT_T0);
+            R8_G(a0, g);
+            R8_G(a1, g + 1);
+            R8_G(a2, g + 2);
+            R8_G(a3, g + 3);
+        }
+        for (; g < G; g++) R8_G(a0, g);
+#undef R8_G
+        out[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        return;
+    }
     __m512 acc[8];
     for (i64 m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    const uint8_t* qn = q + n * K;
     for (i64 g = 0; g < G; g++) {
         _mm_prefetch((const char*)(qn + g * gs + R8_PREFETCH), _MM_HINT_T0);
         for (i64 c0 = 0; c0 < gs; c0 += 4096) {
