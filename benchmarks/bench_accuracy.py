@@ -286,6 +286,9 @@ def main():
                     help="also score data-free bit allocation (moeq.allocate: sensitivities measured once on the "
                          "reference model, each tensor's method chosen for each budget): rows 'moeq bpw BITS', and "
                          "with --bpw-importance also 'moeq bpw BITS +importance'")
+    ap.add_argument("--bpw-ladder", nargs="*", default=None, metavar="METHOD",
+                    help="the allocation's candidate methods, cheapest first (default moeq.allocate.LADDER); rows "
+                         "then say 'ladder from CHEAPEST'")
     ap.add_argument("--bpw-importance", action="store_true")
     ap.add_argument("--bpw-importance-only", action="store_true", help="only the 'moeq bpw BITS +importance' rows")
     args = ap.parse_args()
@@ -329,10 +332,12 @@ def main():
         for imp in sources:
             t0 = time.perf_counter()  # as moeq.load(bpw=, importance=): statistics first, errors weighted by them
             stats = importance_for(Path(args.model), "iq4nl", dtype, False, imp) if imp else None
-            measured[imp] = (allocate.measure(ref, progress=False, importance=stats), time.perf_counter() - t0)
+            ladder = tuple(args.bpw_ladder or allocate.LADDER)
+            measured[imp] = (allocate.measure(ref, ladder, progress=False, importance=stats), time.perf_counter() - t0)
         for bits in args.bpw:
             for imp, (sens, measure_secs) in measured.items():  # measure_secs: shared by every budget, in each row
-                label = f"moeq bpw {bits:g}" + (" +importance" if imp else "")
+                label = (f"moeq bpw {bits:g}" + (" +importance" if imp else "")
+                         + (f" (ladder from {args.bpw_ladder[0]})" if args.bpw_ladder else ""))
                 try:
                     cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
                 except MoeqError as e:  # a budget outside the ladder's range: the other budgets still run

@@ -128,6 +128,28 @@ def accuracy_2bit(name: str = "accuracy_2bit_768.json") -> str:
     return "\n".join(lines)
 
 
+def llamacpp_kl(name: str = "llamacpp_kl_768.json") -> str:
+    """``bench_llamacpp_kl.py``: each type on the model and on its rotation, scored by ``llama-perplexity
+    --kl-divergence`` against the unrotated BF16 GGUF; the rotated file's KL over the unrotated one's."""
+    d = json.loads((RESULTS / name).read_text())
+    rows = {r["method"]: r for r in d["rows"]}
+    lines = [f"llama-perplexity --kl-divergence, {d['chunks']} windows of {d['ctx']} (its KL over the second half of "
+             f"each), against the unrotated BF16 GGUF (`benchmarks/results/{name}`; {d['cpu']}; llama.cpp build "
+             f"{d['build']}):", "",
+             "| type | bits/weight | KL | top-1 | rotated: KL | rotated: top-1 | rotated / plain KL |",
+             "|---|---|---|---|---|---|---|"]
+    floor = rows.get("rotated: unquantized (BF16)")
+    if floor:
+        lines.append(f"| unquantized (BF16) | 16 | 0 | 100% | {floor['mean_kl']:.4f} | {100 * floor['top1']:.1f}% | |")
+    for m, r in rows.items():
+        rot = rows.get(f"rotated: {m}")
+        if m.startswith("rotated: ") or rot is None:
+            continue
+        lines.append(f"| {m} | {r['bits_per_weight']:.3f} | {r['mean_kl']:.4f} | {100 * r['top1']:.1f}% | "
+                     f"{rot['mean_kl']:.4f} | {100 * rot['top1']:.1f}% | {rot['mean_kl'] / r['mean_kl']:.2f} |")
+    return "\n".join(lines)
+
+
 def exports(name: str = "exports.json") -> str:
     d = json.loads((RESULTS / name).read_text())
     lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 PPL {d['ref_ppl']:.2f} (`benchmarks/results/{name}`):",
@@ -237,7 +259,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "accuracy_importance_768": lambda: accuracy("accuracy_imatrix_768.json", IMPORTANCE_768_ROWS,
                                                       seconds=True),
           "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
-          "accuracy_2bit": accuracy_2bit,
+          "accuracy_2bit": accuracy_2bit, "llamacpp_kl": llamacpp_kl,
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth, "deepseek_gguf": deepseek_gguf,
