@@ -288,7 +288,7 @@ def main():
                          "with --bpw-importance also 'moeq bpw BITS +importance'")
     ap.add_argument("--bpw-ladder", nargs="*", default=None, metavar="METHOD",
                     help="the allocation's candidate methods, cheapest first (default moeq.allocate.LADDER); rows "
-                         "then say 'ladder from CHEAPEST'")
+                         "of another ladder say 'ladder from CHEAPEST'")
     ap.add_argument("--bpw-importance", action="store_true")
     ap.add_argument("--bpw-importance-only", action="store_true", help="only the 'moeq bpw BITS +importance' rows")
     args = ap.parse_args()
@@ -326,18 +326,17 @@ def main():
 
         from moeq.loader import importance_for  # noqa: PLC0415
 
-        measured = {}
+        measured, ladder = {}, tuple(args.bpw_ladder or allocate.LADDER)
         sources = (args.importance_tokens,) if args.bpw_importance_only else (
             (0, args.importance_tokens) if args.bpw_importance else (0,))
         for imp in sources:
             t0 = time.perf_counter()  # as moeq.load(bpw=, importance=): statistics first, errors weighted by them
             stats = importance_for(Path(args.model), "iq4nl", dtype, False, imp) if imp else None
-            ladder = tuple(args.bpw_ladder or allocate.LADDER)
             measured[imp] = (allocate.measure(ref, ladder, progress=False, importance=stats), time.perf_counter() - t0)
         for bits in args.bpw:
             for imp, (sens, measure_secs) in measured.items():  # measure_secs: shared by every budget, in each row
                 label = (f"moeq bpw {bits:g}" + (" +importance" if imp else "")
-                         + (f" (ladder from {args.bpw_ladder[0]})" if args.bpw_ladder else ""))
+                         + (f" (ladder from {ladder[0]})" if ladder != allocate.LADDER else ""))
                 try:
                     cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
                 except MoeqError as e:  # a budget outside the ladder's range: the other budgets still run

@@ -38,7 +38,8 @@ from bench_accuracy import DATA, _cpu, calibration_text, heldout_text  # noqa: E
 TYPES = ["Q4_0:pure", "Q4_0:pure:imatrix", "Q4_K_M", "Q4_K_M:imatrix", "IQ4_XS:pure", "IQ4_XS:pure:imatrix",
          "IQ4_XS:imatrix"]
 FIELDS = {  # llama-perplexity's summary lines -> row keys
-    "mean_kl": r"Mean\s+KLD:\s+([-\d.]+)", "median_kl": r"Median\s+KLD:\s+([-\d.]+)", "p99_kl": r"99\.0%\s+KLD:\s+([-\d.]+)",
+    "mean_kl": r"Mean\s+KLD:\s+([-\d.]+)", "median_kl": r"Median\s+KLD:\s+([-\d.]+)",
+    "p99_kl": r"99\.0%\s+KLD:\s+([-\d.]+)",
     "ppl": r"Mean PPL\(Q\)\s+:\s+([-\d.]+)", "ref_ppl": r"Mean PPL\(base\)\s+:\s+([-\d.]+)",
     "top1": r"Same top p:\s+([-\d.]+)",
 }
@@ -127,7 +128,8 @@ def main():
             for spec in args.types:
                 qtype, *opts = spec.split(":")
                 pure, weighted = "pure" in opts, "imatrix" in opts
-                label = f"{prefix}llama.cpp {qtype}{' --pure' if pure else ' (its mix)'}{' +imatrix' if weighted else ''}"
+                label = (f"{prefix}llama.cpp {qtype}{' --pure' if pure else ' (its mix)'}"
+                         f"{' +imatrix' if weighted else ''}")
                 out = llamacpp.quantize(tools["llama-quantize"], path, work / f"{model}-{spec.replace(':', '-')}.gguf",
                                         qtype, pure, imats[model] if weighted else None)
                 score(label, model, out, {"imatrix": weighted})

@@ -30,11 +30,14 @@ IMPORTANCE_ROWS = ["moeq q4_0-opt", "moeq q4_0-opt +importance", "moeq iq4nl", "
                    "llama.cpp IQ4_XS (its mix) +imatrix", "moeq nl3", "moeq nl3 +importance", "moeq nl3-m",
                    "moeq nl3-m +importance", "moeq bpw 4.1 +importance"]
 IMPORTANCE_768_ROWS = ["llama.cpp IQ4_XS --pure", "llama.cpp IQ4_XS --pure +imatrix", "moeq iq4nl-dq",
-                       "moeq iq4nl-dq +importance", "moeq bpw 4.27 +importance", "moeq iq4nl +importance",
+                       "moeq iq4nl-dq +importance", "moeq bpw 4.27 +importance (ladder from nl3)",
+                       "moeq iq4nl +importance",
                        "llama.cpp IQ4_XS (its mix) +imatrix",
                        "moeq iq4nl-m +importance", "llama.cpp Q4_K_M (its mix) +imatrix",
                        "llama.cpp Q3_K_S --pure +imatrix", "llama.cpp IQ3_S --pure +imatrix",
-                       "llama.cpp IQ3_XXS (its mix) +imatrix", "moeq nl3 +importance", "moeq bpw 3.56 +importance",
+                       "llama.cpp IQ3_XXS (its mix) +imatrix", "moeq bpw 3.44 +importance", "moeq nl3 +importance",
+                       "moeq bpw 3.52 +importance", "moeq bpw 3.56 +importance (ladder from nl3)",
+                       "moeq bpw 3.56 +importance",
                        "llama.cpp Q3_K_S (its mix) +imatrix",
                        "llama.cpp IQ3_S (its mix) +imatrix", "moeq nl3-s +importance", "moeq nl3-m +importance"]
 BPW_ROWS = ["moeq nl3 +importance", "moeq bpw 3.6", "moeq bpw 3.6 +importance", "moeq bpw 3.9",

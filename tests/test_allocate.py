@@ -132,3 +132,22 @@ def test_importance_weights_the_errors(tiny_ckpt, monkeypatch):
     got = moeq.load(src, bpw=4.3, importance=imp.SEQ, progress=False)
     rec = got.config.quantization_config["allocation"]
     assert rec["importance_weighted"] and rec["bpw"] <= 4.3
+
+
+def test_group_32_rung_opens_budgets_below_nl3(tiny_ckpt):
+    """The ladder's cheapest rung (nl3 at group 32: 0.25 bits less than nl3) makes budgets under nl3's bits
+    reachable; a load at such a budget keeps to it and mixes the rung with dearer methods where they buy most."""
+    src = tiny_ckpt("qwen3_moe")
+    m = moeq.load(src, progress=False)
+    sens = allocate.measure(m, tokens=256, progress=False)
+    n = sum(t.params for t in sens.tensors)
+    nl3 = sum(t.params * t.bits["nl3"] for t in sens.tensors) / n
+    lo, _ = sens.bits_range()
+    assert lo < nl3 - 0.2
+    budget = (lo + nl3) / 2
+    got = allocate.choose(sens, budget)
+    assert got and "nl3-g32" in got.values() and len(set(got.values())) > 1
+    mixed = moeq.load(src, allocate.config(sens, budget), progress=False)
+    assert moeq.inspect(mixed)["quantized_bits_per_weight"] <= budget + 1e-6
+    with pytest.raises(MoeqError, match="below what the cheapest"):
+        allocate.choose(sens, lo - 0.05)

@@ -39,7 +39,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 
-LADDER = ("nl3", "iq4nl-dq", "iq4nl", "q5_0-opt", "q8_0")  # cheapest first; each a moeq method name
+LADDER = ("nl3-g32", "nl3", "iq4nl-dq", "iq4nl", "q5_0-opt", "q8_0")  # cheapest first; each a moeq method name
 NOISE = (0.0025, 0.02)  # relative mean squares of the probe noise (about a 5-bit and a 3-bit grid's error)
 TOKENS = 1024
 SEQ = 256
