@@ -150,6 +150,14 @@ def _row(method: str, secs: float, bpw: float, params: int) -> dict:
             "quantize_gbps": params * 2 / secs / 1e9 if secs else 0.0}
 
 
+def bf16_gguf(model_dir: str, out: Path) -> Path:
+    """The checkpoint as a BF16 GGUF (moeq's export): what llama.cpp's tools quantize and score."""
+    from moeq.export import export  # noqa: PLC0415
+
+    export(moeq.load(model_dir, dtype=torch.bfloat16, progress=False), out, "gguf", source=model_dir)
+    return out / "model.gguf"
+
+
 def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: Path, label: str = "",
                     imatrix_chunks: int = 200) -> tuple[dict, dict, dict]:
     """llama.cpp's types on the same fixture (see the module docstring): models, rows, and what was checked about
@@ -159,12 +167,8 @@ def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: 
     if exe is None:
         print("skipping llama.cpp rows: llama-quantize not found (build steps in benchmarks/llamacpp.py)")
         return {}, {}, {}
-    from moeq.export import export  # noqa: PLC0415
-
     work.mkdir(parents=True, exist_ok=True)
-    bf16 = work / "moeq-bf16"
-    export(moeq.load(model_dir, dtype=torch.bfloat16, progress=False), bf16, "gguf", source=model_dir)
-    src = bf16 / "model.gguf"
+    src = bf16_gguf(model_dir, work / "moeq-bf16")
     info: dict = {"llama_quantize": str(exe), "build": llamacpp.build_flags(exe)}
     try:
         theirs = llamacpp.convert(Path(model_dir), work / "converter-bf16.gguf")

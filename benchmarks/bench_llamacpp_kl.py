@@ -33,7 +33,7 @@ from moeq.io.writer import write_json
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import llamacpp  # noqa: E402
-from bench_accuracy import DATA, _cpu, calibration_text, heldout_text  # noqa: E402
+from bench_accuracy import DATA, _cpu, bf16_gguf, calibration_text, heldout_text  # noqa: E402
 
 TYPES = ["Q4_0:pure", "Q4_0:pure:imatrix", "Q4_K_M", "Q4_K_M:imatrix", "IQ4_XS:pure", "IQ4_XS:pure:imatrix",
          "IQ4_XS:imatrix"]
@@ -64,13 +64,6 @@ def perplexity(exe: Path, model: Path, text: Path, kld: Path, ctx: int, chunks: 
            "--kl-divergence-base", str(kld)] + ([] if base else ["--kl-divergence"])
     r = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
     return r.stdout + r.stderr
-
-
-def bf16_gguf(model_dir: str, out: Path) -> Path:
-    from moeq.export import export  # noqa: PLC0415
-
-    export(moeq.load(model_dir, dtype=torch.bfloat16, progress=False), out, "gguf", source=model_dir)
-    return out / "model.gguf"
 
 
 def main():

@@ -480,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--bpw", type=_float_in(2.0, 16.0), default=None, metavar="BITS",
                         help="data-free bit allocation instead of one --method: each tensor's method chosen from "
                         "nl3-g32 / nl3 / iq4nl-dq / iq4nl / q5_0-opt / q8_0 by its measured sensitivity (noise on "
-                        "random token ids) to fit BITS per quantized weight, e.g. 3.8 or 4.3 (loads the model unquantized first)")
+                        "random token ids) to fit BITS per quantized weight, e.g. 3.8 or 4.3 (loads the model "
+                        "unquantized first)")
 
     def method_args(sp, default):
         sp.add_argument("--method", default=default, choices=sorted([*METHODS, *MIXES]), metavar="METHOD",

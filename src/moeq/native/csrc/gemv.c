@@ -280,10 +280,10 @@ static inline __attribute__((always_inline)) void rtn8_row_i16(
     if (M == 1 && gs == 32) {  // q8_0 decode: four groups in flight, so no one chain of dependent FMAs bounds the row
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         i64 g = 0;
-#define R8_G(A, G_)                                                                                   \
+#define R8_G(A, G_)                                                                                               \
     A = _mm512_fmadd_ps(                                                                                          \
         _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(                                                                   \
-            _mm512_setzero_si512(), _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + (G_) * 32))), \
+            _mm512_setzero_si512(), _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + (G_) * 32))),   \
             _mm512_loadu_si512(xq + (G_) * 32))),                                                                 \
         _mm512_set1_ps(sfx[G_]), A)
         for (; g + 4 <= G; g += 4) {
