@@ -81,6 +81,8 @@ def methods() -> dict[str, QuantConfig]:
                                                               rules={"*.self_attn.*": RTN(8, 64)}),
         "preset balanced": presets()["balanced"],
         "q4_0 (llama.cpp Q4_0 rounding)": RTN(4, 32, grid="signed"),
+        # blocks of 32 as the fixture's source (Q4_1), but an integer zero point where Q4_1 keeps a float minimum
+        "RTN-int4 asym g32 (integer zero point)": RTN(4, 32, False),
         "ablation: iq4nl, llama.cpp's x^2 weights": RTN(4, 32, grid="iq4nl", search=7, weighting="x2"),
         "ablation: iq4nl, unweighted": RTN(4, 32, grid="iq4nl", search=7, weighting="mse"),
         "ablation: iq4nl, no search": RTN(4, 32, grid="iq4nl", search=0, weighting="row"),
