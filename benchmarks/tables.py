@@ -270,7 +270,8 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth, "deepseek_gguf": deepseek_gguf,
-          "hub_formats_spr": lambda: vs_llamacpp("mxfp4_fp8_vs_llamacpp_spr.json")}
+          "hub_formats_spr": lambda: vs_llamacpp("mxfp4_fp8_vs_llamacpp_spr.json"),
+          "vs_llamacpp_spr_ik_pairings": lambda: vs_llamacpp("vs_llamacpp_spr_ik_pairings.json")}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
