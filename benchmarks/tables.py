@@ -232,6 +232,22 @@ def full_depth(name: str = "full_depth.json") -> str:
     return "\n".join(lines)
 
 
+def expert_pass(name: str = "expert_pass.json") -> str:
+    """``bench_expert_pass.py``: one layer's routed experts, weights and probe on 4 KB pages then on 2 MB pages (the
+    last run of each), GB/s of expert bytes (best round) and the fraction of that run's read probe."""
+    d = json.loads((RESULTS / name).read_text())
+    last = {r["huge_pages"]: r for r in d["runs"]}
+    small, huge = last[False], last[True]
+    lines = [f"{huge['threads']} threads, {huge['cpu']['model']}, `{huge['method']}` experts "
+             f"({huge['bytes_per_expert'] / 1e6:.2f} MB each; `benchmarks/results/{name}`); read probe "
+             f"{small['probe_gbps']:.1f} GB/s on 4 KB pages, {huge['probe_gbps']:.1f} on 2 MB pages:", "",
+             "| expert pass | 4 KB pages GB/s (of probe) | 2 MB pages GB/s (of probe) |", "|---|---|---|"]
+    for case, v in huge["best_gbps"].items():
+        w = small["best_gbps"][case]
+        lines.append(f"| {case} | {w:.1f} ({w / small['probe_gbps']:.0%}) | {v:.1f} ({v / huge['probe_gbps']:.0%}) |")
+    return "\n".join(lines)
+
+
 def deepseek_gguf(name: str = "deepseek_gguf.json") -> str:
     """``bench_deepseek_gguf.py``: DeepSeek-V3's FP8 release layout at its real layer shapes to a q4_0 GGUF in one
     streamed pass, then llama.cpp and moeq on that file."""
@@ -269,7 +285,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "accuracy_2bit": accuracy_2bit, "llamacpp_kl": llamacpp_kl,
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
-          "full_depth": full_depth, "deepseek_gguf": deepseek_gguf,
+          "full_depth": full_depth, "deepseek_gguf": deepseek_gguf, "expert_pass": expert_pass,
           "hub_formats_spr": lambda: vs_llamacpp("mxfp4_fp8_vs_llamacpp_spr.json"),
           "vs_llamacpp_spr_ik_pairings": lambda: vs_llamacpp("vs_llamacpp_spr_ik_pairings.json")}
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)

@@ -15,6 +15,7 @@ from moeq.errors import MoeqError
 from moeq.convert import ExpertsBuilder, activation_for, install_experts, plan, quantize_linear, set_module
 from moeq.formats import PackedWeight
 from moeq.io.writer import atomic_dir, copy_side_files, model_sources, unique_tensors, write_shards
+from moeq.native import pages
 from moeq.record import quantization_config
 from moeq.nn.bf12 import Bf12Linear
 from moeq.nn.packed import packed_slots
@@ -101,6 +102,7 @@ def set_activations(model: nn.Module, mode: str) -> dict[str, list[str]]:
     if mode == "int8" and out["default"]:
         log.warning("int8 activations: %d quantized modules keep the default numerics (their formats are outside the "
                     "int8 kernels), e.g. %s", len(out["default"]), ", ".join(out["default"][:3]))
+    pages.back(model)  # weights laid out anew for these numerics: on 2 MB pages again
     return out
 
 

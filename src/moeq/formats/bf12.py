@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from moeq import native
+from moeq.native import pages
 from moeq.errors import MoeqError
 
 UNIT = 128  # columns per unit: K must be a multiple
@@ -135,8 +136,8 @@ def pack(w: torch.Tensor, max_bytes: int | None = None) -> Bf12 | None:
         return p if max_bytes is None or p.nbytes() <= max_bytes else None
     w = w.contiguous()
     n, k = w.shape
-    lo = torch.empty(n, k, dtype=torch.uint8)
-    hi = torch.empty(n, k // 2, dtype=torch.uint8)
+    lo = pages.empty((n, k), torch.uint8)  # a head's 12 bits per weight: streamed every step, so on 2 MB pages
+    hi = pages.empty((n, k // 2), torch.uint8)
     base = torch.empty(n, dtype=torch.uint8)
     counts = torch.empty(n, dtype=torch.int32)
     L.moeq_bf12_pack(w.data_ptr(), n, k, lo.data_ptr(), hi.data_ptr(), base.data_ptr(), counts.data_ptr())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from moeq.native import pages
 from moeq.formats.base import choice_error
 from moeq.errors import MoeqError
 
@@ -99,7 +100,12 @@ def to_il16(t: torch.Tensor, unit: int) -> torch.Tensor:
     ``[C/unit, 16, unit]``."""
     v, u = _units(t, unit)
     *lead, n, c = v.shape
-    return v.reshape(*lead, n // 16, 16, c // u, u).transpose(-3, -2).contiguous().view(t.dtype).reshape(t.shape)
+    src = v.reshape(*lead, n // 16, 16, c // u, u).transpose(-3, -2)
+    if v.device.type != "cpu":
+        return src.contiguous().view(t.dtype).reshape(t.shape)
+    out = pages.empty(src.shape, v.dtype)  # the decode copy of a stack: on 2 MB pages from its first write
+    out.copy_(src)
+    return out.view(t.dtype).reshape(t.shape)
 
 
 def from_il16(t: torch.Tensor, unit: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from moeq.errors import CheckpointNotFound, MoeqError
 from moeq.formats import PackedWeight
 from moeq.formats.base import check_finite
 from moeq.io.safetensors_io import Checkpoint
+from moeq.native import pages
 from moeq.nn import QuantLinear, attention, decode, engine
 from moeq.nn.linear import canonicalize_head_input
 from moeq.record import quantization_config
@@ -203,6 +204,7 @@ def finish_model(model: nn.Module, unused: list[str], config) -> nn.Module:
     attention.use(model)
     decode.install(model)
     engine.install(model)
+    pages.back(model)  # the weights as built, on 2 MB pages where the kernel allows
     return model
 
 
