@@ -9,8 +9,8 @@ experts get exactly ``m`` activation rows each, timed
 
 Cold close to warm means the rows are compute-bound; warm far above cold means the memory side (streams, prefetch)
 bounds them. ``MOEQ_HUGE_PAGES=0`` runs it with the weights (and the probe's buffer) on 4 KB pages, as before
-:mod:`moeq.native.pages`. Cases alternate within each round; the read probe is taken in every round. Appends one record per
-run to the JSON.
+:mod:`moeq.native.pages`. Cases alternate within each round; the read probe is taken in every round. Appends one
+record per run to the JSON.
 
     python benchmarks/bench_expert_pass.py [--method q4_0] [--rounds 3] [--out FILE]
 """
@@ -64,32 +64,32 @@ def main() -> None:
     x = (torch.randn(8, H, generator=g) * 0.5).to(torch.bfloat16)
     out = torch.empty(8, H, dtype=torch.bfloat16)
     wt = torch.full((8, A), 1.0 / A)
-    # (label, rows per expert, experts per call, cold)
-    cases = [("1 row x 8 experts", 1, 8, True), ("1 row x 16 experts", 1, 16, True),
-             ("1 row x 8 adjacent experts", 1, -8, True), ("2 rows x 8 experts", 2, 8, True), ("4 rows x 8 experts", 4, 8, True),
-             ("1 row x 32 experts", 1, 32, True), ("1 row x 8 experts, warm", 1, 8, False),
-             ("1 row x 16 experts, warm", 1, 16, False), ("2 rows x 8 experts, warm", 2, 8, False)]
+    # (label, rows per expert, experts per call, cold, adjacent in memory)
+    cases = [("1 row x 8 experts", 1, 8, True, False), ("1 row x 16 experts", 1, 16, True, False),
+             ("1 row x 8 adjacent experts", 1, 8, True, True), ("2 rows x 8 experts", 2, 8, True, False),
+             ("4 rows x 8 experts", 4, 8, True, False), ("1 row x 32 experts", 1, 32, True, False),
+             ("1 row x 8 experts, warm", 1, 8, False, False), ("1 row x 16 experts, warm", 1, 16, False, False),
+             ("2 rows x 8 experts, warm", 2, 8, False, False)]
 
-    def routing(rows: int, n: int) -> tuple[int, torch.Tensor]:
-        """(tokens, idx [tokens, A]): n distinct experts, each routed exactly ``rows`` tokens."""
-        if n < 0:  # adjacent in memory: one run of consecutive experts
-            n = -n
+    def routing(rows: int, n: int, adjacent: bool) -> tuple[int, torch.Tensor]:
+        """(tokens, idx [tokens, A]): n distinct experts (one run of consecutive ones if ``adjacent``), each routed
+        exactly ``rows`` tokens."""
+        if adjacent:
             e0 = int(torch.randint(0, E - n + 1, (1,), generator=g))
             experts = torch.arange(e0, e0 + n)
         else:
             experts = torch.randperm(E, generator=g)[:n]
         toks = rows * n // A
-        idx = experts.repeat(rows).view(toks, A)
-        return toks, idx.contiguous()
+        return toks, experts.repeat(rows).view(toks, A).contiguous()
 
-    def run(rows: int, n: int, cold: bool) -> float:
+    def run(rows: int, n: int, cold: bool, adjacent: bool) -> float:
         li = 0
-        fixed = routing(rows, n)
+        fixed = routing(rows, n, adjacent)
         total = 0.0
         for i in range(args.calls + 2):
             if cold:
                 li = (li + 1) % nl
-                toks, idx = routing(rows, n)
+                toks, idx = routing(rows, n, adjacent)
             else:
                 toks, idx = fixed
             t0 = time.perf_counter()
@@ -103,9 +103,9 @@ def main() -> None:
     for rnd in range(args.rounds):
         probe = bench.memory_bandwidth()
         res = {}
-        for label, rows, n, cold in cases:
-            sec = run(rows, n, cold)
-            res[label] = {"ms": sec * 1e3, "gbps": abs(n) * per_expert / sec / 1e9, "rows": rows, "experts": abs(n),
+        for label, rows, n, cold, adjacent in cases:
+            sec = run(rows, n, cold, adjacent)
+            res[label] = {"ms": sec * 1e3, "gbps": n * per_expert / sec / 1e9, "rows": rows, "experts": n,
                           "cold": cold}
         probe = max(probe, bench.memory_bandwidth())
         rounds.append({"round": rnd, "bandwidth_gbps": probe / 1e9, "cases": res})

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moeq.native import pages
 from moeq.errors import MoeqError
+from moeq.native import pages
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from moeq import native
-from moeq.native import pages
 from moeq.errors import MoeqError
+from moeq.native import pages
 
 UNIT = 128  # columns per unit: K must be a multiple
 _CHUNK = 8192  # rows per chunk of the torch reference (bounds its int32 temporaries)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from moeq.native import pages
 from moeq.formats.base import choice_error
 from moeq.errors import MoeqError
+from moeq.native import pages
 
 PACK_BITS = (2, 3, 4, 5, 8)
 
