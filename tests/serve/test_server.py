@@ -133,8 +133,8 @@ def test_api_key_and_queue_limit(tiny_model):
             chat(client(s, api_key="wrong"), "hi", max_tokens=2)
         c = client(s, api_key="sekrit")
         assert chat(c, "hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
-        stream = chat(c, "a long answer", max_tokens=200, temperature=0, stream=True)
-        next(iter(stream))  # its row is taken
+        stream = chat(c, "a long answer", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # its row is taken (and kept: no early end-of-sequence can free it before the next request)
         with pytest.raises(openai.RateLimitError):
             chat(c, "one more", max_tokens=2)
         stream.close()
