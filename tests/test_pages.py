@@ -116,3 +116,31 @@ def test_il16_copies_and_bf12_heads_equal_their_sources():
     assert torch.equal(from_il16(il, 2), w)
     h = (torch.randn(4096, 1024, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
     assert torch.equal(bf12.unpack(bf12.pack(h)), h)
+
+
+def test_the_heads_16_row_copy_is_on_2mb_pages():
+    """The decode copy of an 8-bit head (rows16) is built when the plan is, after ``moeq.load`` collapsed the model's
+    own storages: it has to come on 2 MB pages itself (it is the largest stream of a decode step; in 4 KB pages the
+    bench model's Q8_0 head read at 78% of the probe, in 2 MB pages at 98%)."""
+    import ctypes
+
+    from moeq import native
+    from moeq.config import RTN
+    from moeq.kernels import plans
+    from moeq.nn import QuantLinear
+
+    if native.lib() is None:
+        pytest.skip("no native library on this machine")
+    torch.manual_seed(0)
+    mod = QuantLinear(RTN(8, 32, grid="signed").quantize((torch.randn(4096, 1024) * 0.05).bfloat16()))
+    plans.set_rows16(mod, True)
+    stack = plans.linear_plan(mod).stack
+    size = native.lib().moeq_rows16_size(ctypes.byref(stack))
+    if not stack.rows16:
+        pytest.skip("this build has no 16-row kernels")
+    x = torch.randn(1, 1024).bfloat16()
+    y = mod(x).float()
+    want = x.float() @ mod.qweight.dequantize(torch.float32).T
+    assert ((y - want).abs() <= want.abs() * 2 ** -6 + 1e-3).all()
+    if sys.platform.startswith("linux") and _thp_mode() in ("always", "madvise") and pages._libc() is not None:
+        assert _huge_kb(stack.rows16, size) > 0

@@ -16,7 +16,7 @@ import torch
 from moeq import native
 from moeq.kernels.describe import describe
 from moeq.kernels.registry import kernels_for
-from moeq.native import Fmt, Layers, WStack
+from moeq.native import Fmt, Layers, WStack, pages
 
 MOE_MAX_ROWS = 8  # the fused MoE kernels' rows per expert; more: dequantize + AMX bf16 matmul wins (measured)
 LINEAR_MAX_ROWS = 64  # what the linear kernels accept (rows of x in chunks of 8, the weight row re-read from L1)
@@ -176,7 +176,7 @@ def _attach_rows16(stack: WStack, keep: list) -> None:
     size = L.moeq_rows16_size(ctypes.byref(stack)) if L is not None else 0
     if size <= 0:
         return
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = pages.empty((size,), torch.uint8)  # streamed every decode step: on 2 MB pages from its first write
     layout = 2 if stack.act_i8 else 1
     if L.moeq_rows16_pack(ctypes.byref(stack), layout, buf.data_ptr()):
         stack.rows16, stack.rows16_layout = buf.data_ptr(), layout
