@@ -45,6 +45,7 @@ from moeq.io.writer import write_json
 
 HERE = Path(__file__).parent
 DATA = HERE.parent.parent / "shared" / "data"
+MOEQ_IMATRIX_TOKENS = 8192  # ``:moeq-imatrix``: moeq's data-free statistic (moeq imatrix), as its importance= loads
 sys.path.insert(0, str(HERE))
 import llamacpp  # noqa: E402
 
@@ -163,8 +164,9 @@ def bf16_gguf(model_dir: str, out: Path) -> Path:
 def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: Path, label: str = "",
                     imatrix_chunks: int = 200) -> tuple[dict, dict, dict]:
     """llama.cpp's types on the same fixture (see the module docstring): models, rows, and what was checked about
-    the conversion. A spec is ``TYPE[:pure][:imatrix]``; the importance matrix (computed once per model, by
-    ``llama-imatrix`` on :func:`calibration_text`) is what the Hub's GGUF uploaders use."""
+    the conversion. A spec is ``TYPE[:pure][:imatrix|:moeq-imatrix][:experts]``; the importance matrix (computed once
+    per model, by ``llama-imatrix`` on :func:`calibration_text`) is what the Hub's GGUF uploaders use;
+    ``moeq-imatrix`` is moeq's data-free one (``moeq imatrix``: random token ids, no text)."""
     exe = llamacpp.find_tool("llama-quantize")
     if exe is None:
         print("skipping llama.cpp rows: llama-quantize not found (build steps in benchmarks/llamacpp.py)")
@@ -194,21 +196,33 @@ def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: 
                                        "from the scored last 10%)",
                                "chunks": imatrix_chunks, "ctx": 512, "tokens": imatrix_chunks * 512,
                                "seconds": time.perf_counter() - t0}
+    free = None
+    if any("moeq-imatrix" in s.split(":")[1:] for s in specs):  # moeq's data-free statistic as llama.cpp's imatrix
+        from moeq.loader import imatrix  # noqa: PLC0415
+
+        free = work / "moeq.imatrix.gguf"
+        t0 = time.perf_counter()
+        imatrix(model_dir, free, tokens=MOEQ_IMATRIX_TOKENS, progress=False, overwrite=free.exists())
+        info["moeq_imatrix"] = {"text": "none: uniformly random token ids (moeq imatrix)",
+                                "tokens": MOEQ_IMATRIX_TOKENS, "seconds": time.perf_counter() - t0}
     models, rows = {}, {}
     for spec in specs:
         qtype, *opts = spec.split(":")
-        pure, weighted, experts = "pure" in opts, "imatrix" in opts, "experts" in opts
+        pure, experts = "pure" in opts, "experts" in opts
+        weighted = "imatrix" if "imatrix" in opts else "moeq-imatrix" if "moeq-imatrix" in opts else None
         name = (f"{label}llama.cpp {qtype}" + (" experts, attention IQ4_NL, k/v Q8_0" if experts else
                                                " --pure" if pure else " (its mix)")
-                + (" +imatrix" if weighted else ""))
+                + {"imatrix": " +imatrix", "moeq-imatrix": " +moeq imatrix (no text)", None: ""}[weighted])
         t0 = time.perf_counter()
-        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{'-imat' if weighted else ''}"
-                                f"{'-experts' if experts else ''}.gguf", qtype, pure, imat if weighted else None,
-                                experts)
+        tag = {"imatrix": "-imat", "moeq-imatrix": "-mimat", None: ""}[weighted]
+        out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{tag}"
+                                f"{'-experts' if experts else ''}.gguf", qtype, pure,
+                                {"imatrix": imat, "moeq-imatrix": free, None: None}[weighted], experts)
         secs = time.perf_counter() - t0
         bpw, types, params = llamacpp.bits_per_weight(out)
         models[name] = moeq.load(out, dtype=dtype, progress=False)
-        rows[name] = _row(name, secs, bpw, params) | {"ggml_types": types, "imatrix": weighted,
+        rows[name] = _row(name, secs, bpw, params) | {"ggml_types": types, "imatrix": weighted is not None,
+                                                      "imatrix_source": weighted,
                                                       "experts_bits_per_weight": llamacpp.bits_per_weight(
                                                           out, ("_exps.",))[0]}
     return models, rows, info
@@ -271,14 +285,15 @@ def main():
     ap.add_argument("--merge", action="store_true", help="update/append these rows in --out instead of rewriting")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="compute dtype of the reference and of every model")
-    ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure][:imatrix]",
+    ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure][:imatrix|:moeq-imatrix]",
                     help=f"llama.cpp rows (default {' '.join(LLAMACPP_TYPES)}; none when given without types); "
-                         ":imatrix weights the type by llama-imatrix's importance matrix")
+                         ":imatrix weights the type by llama-imatrix's importance matrix, :moeq-imatrix by moeq's "
+                         "data-free one (moeq imatrix, no text); :experts quantizes only the expert stacks to TYPE")
     ap.add_argument("--imatrix-chunks", type=int, default=200, help="llama-imatrix windows of 512 tokens")
     ap.add_argument("--rotate", nargs="*", default=None, metavar="METHOD",
                     help="also score these methods (names of methods()) on the model rotated by moeq.rotate_ "
                          "(rotated in fp32, saved fp32): rows 'rotated: ...', with the rotated unquantized model")
-    ap.add_argument("--rotate-llamacpp", nargs="*", default=[], metavar="TYPE[:pure][:imatrix]",
+    ap.add_argument("--rotate-llamacpp", nargs="*", default=[], metavar="TYPE[:pure][:imatrix|:moeq-imatrix]",
                     help="llama.cpp types applied to the rotated model (its own BF16 GGUF and importance matrix)")
     ap.add_argument("--activations", nargs="*", default=None, metavar="METHOD",
                     help="also score these methods decode-shaped (DECODE_CHUNK tokens per forward over a KV cache), "
@@ -398,7 +413,7 @@ def main():
         old = {r["method"]: r for r in prev["rows"]}
         old.update(rows)
         rows = old
-        lc_info = lc_info or prev.get("llamacpp", {})  # no llama.cpp rows this run: keep what the file says of them
+        lc_info = {**prev.get("llamacpp", {}), **lc_info}  # keep what the file says of rows this run did not make
     base = rows.get("vLLM RTN-int4 sym g192")
     for r in rows.values():
         if base:

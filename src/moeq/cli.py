@@ -156,6 +156,22 @@ def cmd_rotate(args) -> int:
     return 0
 
 
+def cmd_imatrix(args) -> int:
+    from moeq.loader import imatrix
+
+    t0 = time.perf_counter()
+    summary = imatrix(args.src, args.out, tokens=args.tokens, seed=args.seed, dtype=_dtype(args.dtype),
+                      progress=not args.json, overwrite=args.overwrite)
+    summary |= {"seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes()}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {summary['file']}: {summary['tensors']} tensors, measured on {summary['tokens']} random tokens "
+              f"(seed {summary['seed']}, {summary['measured_on']} first pass) in {summary['seconds']:.1f} s; use it "
+              f"as llama-quantize --imatrix {summary['file']}")
+    return 0
+
+
 def cmd_quantize(args) -> int:
     import moeq
 
@@ -530,6 +546,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="replace a previous moeq output at OUT (nothing else)")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.set_defaults(func=cmd_rotate)
+
+    im = sub.add_parser("imatrix", help="llama.cpp's importance matrix without calibration text (for llama-quantize "
+                        "--imatrix: its IQ1/IQ2 types need one)",
+                        description="Measures llama-imatrix's statistic (each quantized tensor's mean squared input "
+                        "columns, per expert for expert stacks) on uniformly random token ids through a q8_0 first "
+                        "pass (q4_0 when that does not fit in memory), and writes it as the GGUF imatrix file "
+                        "llama-quantize reads.",
+                        epilog="examples:\n  moeq imatrix Qwen3-30B-A3B qwen.imatrix.gguf\n  llama-quantize --imatrix "
+                        "qwen.imatrix.gguf qwen-bf16.gguf qwen-iq2_s.gguf IQ2_S",
+                        formatter_class=_Formatter)
+    im.add_argument("src", help="a bf16/fp16 checkpoint folder of an architecture moeq exports to GGUF, or a Hub id "
+                                "in the local cache")
+    im.add_argument("out", help="the imatrix file to write (e.g. model.imatrix.gguf; written atomically)")
+    im.add_argument("--tokens", type=_int_at_least(512), default=8192,
+                    help="random tokens to measure on, a multiple of 512 (default: %(default)s)")
+    im.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default: %(default)s)")
+    im.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                    help="compute dtype of the first pass (default: the checkpoint's)")
+    im.add_argument("--overwrite", action="store_true", help="replace an imatrix file moeq wrote (nothing else)")
+    im.add_argument("--json", action="store_true", help="print the summary as JSON")
+    im.set_defaults(func=cmd_imatrix)
 
     def sampling_args(sp, max_new: int):
         sp.add_argument("--max-new-tokens", type=_int_at_least(1, 1 << 20), default=max_new,

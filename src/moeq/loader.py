@@ -95,11 +95,38 @@ def importance_for(src, quant, dtype, progress: bool, tokens: int):
     if qcfg is None or not any(f.uses_importance() for f in (qcfg.default, *(f for _, f in qcfg.all_rules))):
         raise MoeqError(f"importance needs a method whose quantizer searches its scales (iq4nl, iq4nl-m, nl3, "
                         f"q4_0-opt, ...); {quant!r} has none")
+    return measure(src, dtype, progress, tokens)
+
+
+def measure(src, dtype, progress: bool, tokens: int, seed: int = 0, then=None):
+    """:func:`moeq.importance.collect` on the checkpoint loaded with :func:`moeq.importance.first_pass`'s method, on
+    the CPU; ``then(first_model, importance)`` runs before the first-pass model is freed (the imatrix writer names
+    llama.cpp's tensors from it). Returns the importance."""
+    from moeq import importance as imp  # noqa: PLC0415
+
     if type(tokens) is not int or tokens < imp.SEQ or tokens % imp.SEQ:
         raise MoeqError(f"importance: a positive multiple of {imp.SEQ} tokens, got {tokens!r}")
     method = imp.first_pass(readers.weight_count(src))
     first = finite.install(readers.read(src, method, dtype, progress, torch.device("cpu")))
     try:
-        return dataclasses.replace(imp.collect(first, tokens, progress=progress), measured_on=method)
+        got = dataclasses.replace(imp.collect(first, tokens, seed=seed, progress=progress), measured_on=method)
+        if then is not None:
+            then(first, got)
+        return got
     finally:
         del first
+
+
+def imatrix(path: str | os.PathLike, out: str | os.PathLike, tokens: int = 8192, seed: int = 0,
+            dtype: torch.dtype | None = None, progress: bool = True, overwrite: bool = False) -> dict:
+    """llama.cpp's importance matrix for a checkpoint, without calibration text: moeq's data-free statistic
+    (:mod:`moeq.importance`, ``tokens`` random ids) written as the GGUF imatrix file ``llama-quantize --imatrix``
+    reads (:mod:`moeq.export.imatrix`). Returns the writer's summary."""
+    from moeq.export import imatrix as writer  # noqa: PLC0415
+
+    src = hub.resolve(path)
+    writer.check_target(out, overwrite)  # before the measurement, not after it
+    done: dict = {}
+    measure(src, dtype, progress, tokens, seed,
+            then=lambda model, imp: done.update(writer.write(model, imp, out, overwrite=overwrite)))
+    return done
