@@ -69,7 +69,7 @@ def main() -> None:
              ("1 row x 8 adjacent experts", 1, 8, True, True), ("2 rows x 8 experts", 2, 8, True, False),
              ("4 rows x 8 experts", 4, 8, True, False), ("1 row x 32 experts", 1, 32, True, False),
              ("1 row x 8 experts, warm", 1, 8, False, False), ("1 row x 16 experts, warm", 1, 16, False, False),
-             ("2 rows x 8 experts, warm", 2, 8, False, False)]
+             ("2 rows x 8 experts, warm", 2, 8, False, False), ("4 rows x 8 experts, warm", 4, 8, False, False)]
 
     def routing(rows: int, n: int, adjacent: bool) -> tuple[int, torch.Tensor]:
         """(tokens, idx [tokens, A]): n distinct experts (one run of consecutive ones if ``adjacent``), each routed

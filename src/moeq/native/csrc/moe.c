@@ -98,6 +98,20 @@ static inline void il16_pass(const moeq_wstack* w, const i64* act, const i64* st
                      y + a * 8 * N + 16 * b, N);
     }
 }
+
+// il16_pass with int16 activations (x at [a, 8, K] from x_to_il16_i16, chunk scales at [a, 8, K/32]) and the table as
+// int16 (il16_lut16): the several-rows form (il16_block_i16).
+static inline void il16_pass_i16(const moeq_wstack* w, const i64* act, const i64* start, i64 A, const int16_t* xq,
+                                 const float* sx, __m512i lut16, i64 K, i64 N, float* y) {
+    const i64 NB = N / 16;
+#pragma omp for schedule(static)
+    for (i64 t = 0; t < A * NB; t++) {
+        const i64 a = t / NB, b = t % NB, e = act[a];
+        il16_block_i16_m(il16_codes(w, e, b), il16_scale_at(w, e, b), w->scale_bf16, il16_sup(w, e, b), lut16,
+                         xq + a * 8 * K, sx + a * 8 * (K / 32), start[e + 1] - start[e], K, w->gs,
+                         y + a * 8 * N + 16 * b, N);
+    }
+}
 #endif
 
 // ---------------------------------------------------------------- a few rows on the tile unit ----------------------
@@ -624,15 +638,16 @@ static inline void avx2_rows(const moeq_wstack* w, const int16_t* xq, const floa
 
 #if defined(MOEQ_IL16) || defined(MOEQ_IL16_AVX2)
 // One pass of the layer kernel below over an il16 stack, a parallel region of its own: y[a, 8, N] for every active
-// expert's rows. xb/xs: the activations as this build's il16 kernels take them (bf16 pairs; AVX2: int16 and chunk
-// scales), tab: the AVX2 build's int8 value table (unused on AVX512).
+// expert's rows. xb/xs: the activations as this build's il16 kernels take them (bf16 pairs; AVX2, and AVX512 with
+// tab: int16 and chunk scales), tab: the AVX2 build's int8 value table; on AVX512 the int16 table (il16_lut16) or
+// NULL for the bf16 rows.
 static void il16_layer_pass(const moeq_wstack* w, const i64* act, const i64* start, i64 A, const uint16_t* xb,
                             const float* xs, const void* tab, i64 K, i64 N, float* y) {
 #pragma omp parallel
     {
 #if defined(MOEQ_IL16)
-        (void)xs, (void)tab;
-        il16_pass(w, act, start, A, xb, K, N, y);
+        if (tab) il16_pass_i16(w, act, start, A, (const int16_t*)xb, xs, _mm512_loadu_si512(tab), K, N, y);
+        else il16_pass(w, act, start, A, xb, K, N, y);
 #else
         il16_pass_avx2(w, act, start, A, (const int16_t*)xb, xs, ((const __m128i*)tab)[0], K, N, y);
 #endif
@@ -668,8 +683,14 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     }
     const void *tab13 = t13, *tab2 = t2;  // the il16 passes' value tables
 #else
-    const i64 G1 = H / w13->gs, G2 = I / w2->gs, C1 = G1, C2 = G2;  // x's per-group sums
+    const i64 G1 = H / w13->gs, G2 = I / w2->gs;
+    i64 C1 = G1, C2 = G2;  // x's per-group sums (il16 in int16: the chunk scales, K/32 <= K/16 as the scratch allows)
     const void *tab13 = NULL, *tab2 = NULL;
+#if defined(MOEQ_IL16)
+    __m512i l13, l2;  // several rows per expert: the il16 stacks' int16 rows where their tables are integers
+    if (w13->il16 && w13->gs % 32 == 0 && il16_lut16(w13, &l13)) tab13 = &l13, C1 = H / 32;
+    if (w2->il16 && w2->gs % 32 == 0 && il16_lut16(w2, &l2)) tab2 = &l2, C2 = I / 32;
+#endif
     (void)tab13, (void)tab2;
 #endif
     const int p13 = w13->gs % 64 == 0 || w13->lut, p2 = w2->gs % 64 == 0 || w2->lut;  // codebook: K % 64 == 0
@@ -697,7 +718,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             else x_to_i16_32(x + pair_tok[p0 + r] * H, H, 1, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
 #else
 #if defined(MOEQ_IL16)
-            if (w13->il16) x_to_il16(x + pair_tok[p0 + r] * H, H, xb + (a * 8 + r) * H);
+            if (tab13) x_to_il16_i16(x + pair_tok[p0 + r] * H, H, (int16_t*)xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
+            else if (w13->il16) x_to_il16(x + pair_tok[p0 + r] * H, H, xb + (a * 8 + r) * H);
             else
 #endif
             x_to_bf16(x + pair_tok[p0 + r] * H, H, w13->gs, p13, xb + (a * 8 + r) * H, xs + (a * 8 + r) * C1);
@@ -737,7 +759,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
             else x_to_i16_32(t, I, 1, (int16_t*)dst, as + (a * 8 + r) * C2);
 #else
 #if defined(MOEQ_IL16)
-            if (w2->il16) x_to_il16(t, I, dst);
+            if (tab2) x_to_il16_i16(t, I, (int16_t*)dst, as + (a * 8 + r) * C2);
+            else if (w2->il16) x_to_il16(t, I, dst);
             else
 #endif
             x_to_bf16(t, I, w2->gs, p2, dst, as + (a * 8 + r) * C2);
