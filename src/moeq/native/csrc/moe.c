@@ -74,6 +74,19 @@ static inline void il16_pass_avx2(const moeq_wstack* w, const i64* act, const i6
 // y[m, N] = x[m, K] @ W[e]^T for an il16 stack: x as bf16 pairs in scratch (m*K/2 floats), blocks over the threads.
 static void il16_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K, NB = N / 16;
+    __m512i lut16;
+    if (m >= 2 && w->gs % 32 == 0 && il16_lut16(w, &lut16)) {  // several rows: the int16 rows (il16_block_i16)
+        int16_t* xq = (int16_t*)scratch;
+        float* sx = scratch + m * K / 2;  // the scratch holds 2K + K/16 floats per row
+        for (i64 r = 0; r < m; r++) x_to_il16_i16(x + r * K, K, xq + r * K, sx + r * (K / 32));
+#pragma omp parallel for schedule(static)
+        for (i64 b0 = 0; b0 < NB; b0++)
+            for (i64 m0 = 0; m0 < m; m0 += 8)
+                il16_block_i16_m(il16_codes(w, e, b0), il16_scale_at(w, e, b0), w->scale_bf16, il16_sup(w, e, b0),
+                                 lut16, xq + m0 * K, sx + m0 * (K / 32), m - m0 < 8 ? m - m0 : 8, K, w->gs,
+                                 y + m0 * N + 16 * b0, N);
+        return;
+    }
     uint16_t* xb = (uint16_t*)scratch;
     for (i64 r = 0; r < m; r++) x_to_il16(x + r * K, K, xb + r * K);
     const __m512i lut = _mm512_loadu_si512(w->lut);
