@@ -182,3 +182,44 @@ def test_a_quantized_linear_in_il16(fmt):
         assert (y - y_rows).abs().max() <= 4e-3 * ref.abs().max()
         if t == 40:  # the same dequantized weight and matmul
             assert torch.equal(y, y_rows)
+
+
+def _emulate_i16(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [m, K] @ w [N, K]^T with x as int16 per 32 columns (power-of-two scale putting the chunk's largest in
+    [2^14, 2^15), round to nearest even), in float64: the several-rows il16 numerics (x_to_i16_32)."""
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    _, e = torch.frexp(amax)
+    inv = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), 15 - e), torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp(-32767, 32767)
+    xe = torch.where(inv > 0, q / torch.where(inv > 0, inv, torch.ones_like(inv)), torch.zeros_like(q))
+    return xe.reshape(x.shape) @ w.double().T
+
+
+@pytest.mark.skipif(AVX2, reason="the AVX512 build's several-rows form (AVX2 builds always take int16 activations)")
+@pytest.mark.parametrize("fmt", ["q4_0", "rtn-int4-g128", "mxfp4"])  # grids with an exact zero
+def test_several_rows_take_int16_activations(fmt):
+    """At 2-3 rows an il16 linear computes with the activations as int16 per 32 columns and exact integer sums (the
+    vpdpwssd rows), one row with the exact bf16 activations (the vdpbf16ps rows). Made visible: one chunk holds a
+    large activation against a zero weight column and small ones beside it, which int16 rounds to steps of 1/64."""
+    from moeq.nn import QuantLinear  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(5)
+    wf = torch.randn(64, 256, generator=g) * 0.05
+    wf[:, 0] = 0
+    w = rtn.quantize(wf.bfloat16(), **FORMATS[fmt])
+    m = QuantLinear(w)
+    assert m.il16("weight")
+    wd = w.dequantize(torch.float32)
+    assert bool((wd[:, 0] == 0).all())
+    for rows in (1, 2, 3):
+        x = torch.zeros(rows, 256)
+        x[:, 0] = 300.0
+        x[:, 1:32] = torch.randn(rows, 31, generator=g) * 0.02
+        x = x.bfloat16()
+        y = m(x).float()
+        exact = (x.double() @ wd.double().T).float()
+        i16 = _emulate_i16(wd, x).float()
+        assert (exact - i16).abs().max() > 0.02 * exact.abs().max()  # the two numerics differ visibly here
+        want = i16 if rows > 1 else exact
+        assert ((y - want).abs() <= want.abs() * 2 ** -7 + 1e-4 * want.abs().max()).all(), (rows, (y - want).abs().max())
