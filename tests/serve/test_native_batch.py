@@ -89,12 +89,18 @@ def test_native_batch_follows_the_model_through_joins_and_leaves(tiny_model):
     assert len(nat.rows) == 2 and nat.S == int(nat.lengths.max())
 
 
+def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the numerics' difference between one row and several: past one row per expert/linear the 4-bit
+    rows take the activations as int16 per 32 columns (docs/serve.md), a few bf16 units on a logit."""
+    return bool(((a - b).abs() <= 2.0 ** -5 * torch.maximum(a.abs(), b.abs()) + 2.0 ** -7 * a.abs().max()).all())
+
+
 @pytest.mark.parametrize("rooms", [(4, 4), (16,)])
 def test_full_native_batches_step_each_row_as_alone_within_rounding(tiny_model, rooms):
     """Rows in native batches — two of four (the server's split past the step's rows), or sixteen in one step, where
     the tiny model's 4 experts get up to 16 rows each and the fused MoE runs them in passes of 8 — give each row the
-    logits it gets decoding alone, within bf16 rounding."""
-    from moeq.nn import decode, engine
+    logits it gets decoding alone, within the several-rows numerics (a few bf16 units)."""
+    from moeq.nn import engine
     from moeq.serve import loader
     from moeq.serve.batch import NativeBatch
 
@@ -125,7 +131,7 @@ def test_full_native_batches_step_each_row_as_alone_within_rounding(tiny_model, 
             cache, _ = _prompt(m, p)
             alone.join(Row(i), cache, len(p))
             got = alone.step(torch.tensor([firsts[i]]))
-            assert decode.close(got.float(), together[i:i + 1].float()), i
+            assert _near(got.float(), together[i:i + 1].float()), i
 
 def _run(sched, prompts, max_tokens=8):
     """Submit every prompt at once; return each request's generated ids once all are done."""
