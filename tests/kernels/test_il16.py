@@ -14,6 +14,7 @@ from moeq.kernels import plans
 from moeq.formats.packing import from_il16, to_il16
 from moeq.nn import QuantExperts
 from moeq.nn.experts import Activation
+from tests.kernels.reference import emulate_i16
 
 pytestmark = pytest.mark.skipif(not native.has_simd(), reason="the il16 kernels need AVX512-BF16 or AVX2")
 AVX2 = not native.has_dpbf16()  # the AVX2 build (tests/test_isa.py runs this file against it): groups of 32k only
@@ -184,18 +185,6 @@ def test_a_quantized_linear_in_il16(fmt):
             assert torch.equal(y, y_rows)
 
 
-def _emulate_i16(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [m, K] @ w [N, K]^T with x as int16 per 32 columns (power-of-two scale putting the chunk's largest in
-    [2^14, 2^15), round to nearest even), in float64: the several-rows il16 numerics (x_to_i16_32)."""
-    xb = x.double().reshape(x.shape[0], -1, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    _, e = torch.frexp(amax)
-    inv = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), 15 - e), torch.zeros_like(amax))
-    q = torch.round(xb * inv).clamp(-32767, 32767)
-    xe = torch.where(inv > 0, q / torch.where(inv > 0, inv, torch.ones_like(inv)), torch.zeros_like(q))
-    return xe.reshape(x.shape) @ w.double().T
-
-
 @pytest.mark.skipif(AVX2, reason="the AVX512 build's several-rows form (AVX2 builds always take int16 activations)")
 @pytest.mark.parametrize("fmt", ["q4_0", "rtn-int4-g128", "mxfp4"])  # grids with an exact zero
 def test_several_rows_take_int16_activations(fmt):
@@ -219,7 +208,7 @@ def test_several_rows_take_int16_activations(fmt):
         x = x.bfloat16()
         y = m(x).float()
         exact = (x.double() @ wd.double().T).float()
-        i16 = _emulate_i16(wd, x).float()
+        i16 = emulate_i16(wd, x).float()
         assert (exact - i16).abs().max() > 0.02 * exact.abs().max()  # the two numerics differ visibly here
         want = i16 if rows > 1 else exact
         assert ((y - want).abs() <= want.abs() * 2 ** -7 + 1e-4 * want.abs().max()).all(), (rows, (y - want).abs().max())

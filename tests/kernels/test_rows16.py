@@ -10,23 +10,12 @@ import torch
 from moeq import native
 from moeq.config import RTN
 from moeq.kernels import plans
+from tests.kernels.reference import emulate_i16
 
 pytestmark = pytest.mark.skipif(
     native.lib() is None or native.lib().moeq_rows16_size(ctypes.byref(native.WStack(
         fmt=0, bits=8, gs=32, N=16, K=32, q=1, scale=1, scale_bf16=1))) == 0,
     reason="the 16-row kernels need an AVX512-VNNI or AVX2 build")
-
-
-def emulate_i16(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [m, K] @ w [N, K]^T with x as int16 per 32-chunk (power-of-two scale putting the chunk's largest in
-    [2^14, 2^15), round to nearest even), in float64."""
-    xb = x.double().reshape(x.shape[0], -1, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    _, e = torch.frexp(amax)
-    inv = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), 15 - e), torch.zeros_like(amax))
-    q = torch.round(xb * inv).clamp(-32767, 32767)
-    xe = torch.where(inv > 0, q / torch.where(inv > 0, inv, torch.ones_like(inv)), torch.zeros_like(q))
-    return xe.reshape(x.shape) @ w.double().T
 
 
 def emulate_i8(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
