@@ -187,10 +187,21 @@ def test_a_quantized_linear_in_il16(fmt):
 
 @pytest.mark.skipif(AVX2, reason="the AVX512 build's several-rows form (AVX2 builds always take int16 activations)")
 @pytest.mark.parametrize("fmt", ["q4_0", "rtn-int4-g128", "mxfp4"])  # grids with an exact zero
-def test_several_rows_take_int16_activations(fmt):
-    """At 2-3 rows an il16 linear computes with the activations as int16 per 32 columns and exact integer sums (the
-    vpdpwssd rows), one row with the exact bf16 activations (the vdpbf16ps rows). Made visible: one chunk holds a
-    large activation against a zero weight column and small ones beside it, which int16 rounds to steps of 1/64."""
+@pytest.mark.parametrize("i16", [True, False])
+def test_several_rows_take_int16_activations_where_set(fmt, i16):
+    """With the int16 rows on (CPUs with AMX: moeq.native sets it at load) an il16 linear computes 2-3 rows with the
+    activations as int16 per 32 columns and exact integer sums (vpdpwssd), one row with the exact bf16 activations;
+    off (elsewhere) every row count is exact bf16 (batch-invariant). Made visible: one chunk holds a large activation
+    against a zero weight column and small ones beside it, which int16 rounds to steps of 1/64."""
+    L = native.lib()
+    L.moeq_set_il16_i16(int(i16))
+    try:
+        _several_rows(fmt, i16)
+    finally:
+        L.moeq_set_il16_i16(int(native.has_amx()))
+
+
+def _several_rows(fmt: str, i16: bool) -> None:
     from moeq.nn import QuantLinear  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(5)
@@ -208,7 +219,7 @@ def test_several_rows_take_int16_activations(fmt):
         x = x.bfloat16()
         y = m(x).float()
         exact = (x.double() @ wd.double().T).float()
-        i16 = emulate_i16(wd, x).float()
-        assert (exact - i16).abs().max() > 0.02 * exact.abs().max()  # the two numerics differ visibly here
-        want = i16 if rows > 1 else exact
+        i16_want = emulate_i16(wd, x).float()
+        assert (exact - i16_want).abs().max() > 0.02 * exact.abs().max()  # the two numerics differ visibly here
+        want = i16_want if rows > 1 and i16 else exact
         assert ((y - want).abs() <= want.abs() * 2 ** -7 + 1e-4 * want.abs().max()).all(), (rows, (y - want).abs().max())

@@ -173,6 +173,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_gemm_takes": (_INT, [_WS]),
     "moeq_amx_ready": (_INT, []),
     "moeq_set_amx": (None, [_INT]),
+    "moeq_set_il16_i16": (None, [_INT]),
     "moeq_set_linear_amx_rows": (None, [_INT]),
     "moeq_linear_amx_takes": (_INT, [_WS, _I]),
     "moeq_moe_prefill": (_INT, [_WS, _WS, _P, _I, _I, _I, _P, _P, _P, _I, _P]),
@@ -245,6 +246,9 @@ def lib() -> ctypes.CDLL | None:
         return None
     L.moeq_set_threads(torch.get_num_threads())
     L.moeq_amx_ready()  # AMX permission asked once, from this thread, before any parallel kernel
+    # several rows per 4-bit il16 block with int16 activations where the CPU has AMX (its bf16 dot product issues at a
+    # third of the int16 one's rate; its kernels already change with the batch size); bf16 elsewhere: batch-invariant
+    L.moeq_set_il16_i16(int(has_amx()))
     return L
 
 

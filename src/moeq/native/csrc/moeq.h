@@ -398,6 +398,7 @@ void moeq_set_linear_amx_rows(int rows);
 int moeq_gemm_takes(const moeq_wstack* w);
 int moeq_amx_ready(void);
 void moeq_set_amx(int on);
+void moeq_set_il16_i16(int on);  // several rows per il16 block as int16 activations (moe.c)
 int moeq_moe_prefill(const moeq_wstack* w13, const moeq_wstack* w2, const uint16_t* x, i64 T, i64 H, i64 I,
                      const i64* pair_tok, const float* pair_w, const i64* expert_start, i64 E, float* out);
 int moeq_attn_prefill_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, i64 B, i64 Hq, i64 Hkv, i64 L,
