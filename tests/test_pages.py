@@ -88,7 +88,7 @@ def test_opt_out(monkeypatch):
 
 
 def test_the_probe_buffer_reads_back_what_was_written():
-    b = pages.buffer(8 * MB).fill_(3.0)
+    b = pages.empty((8 * MB,), torch.float32).fill_(3.0)
     assert b.dtype == torch.float32 and b.numel() == 8 * MB
     assert float(b.sum()) == 3.0 * 8 * MB
 

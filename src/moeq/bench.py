@@ -135,7 +135,7 @@ def rss_parts() -> dict[str, int]:
 def memory_bandwidth(gb: float = 1.0, repeat: int = 5) -> float:
     """Read bandwidth in bytes/s: best of a few sums over a buffer far larger than the caches, on 2 MB pages where
     the kernel gives them, as moeq's weights are (:mod:`moeq.native.pages`)."""
-    x = pages.buffer(int(gb * 1e9) // 4).fill_(1.0)
+    x = pages.empty((int(gb * 1e9) // 4,), torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -72,10 +72,13 @@ def entries(model: nn.Module, imp: Importance) -> dict[str, tuple[np.ndarray, np
         if found is None:
             raise MoeqError(f"importance: experts module {name!r} is not inside a numbered layer")
         il = int(found.group(1))
-        for kind, stat in (("gate", inputs), ("up", inputs), ("down", mids)):
-            sums = stat.double().numpy() * imp.tokens
-            counts = np.where(stat.double().numpy().any(axis=1), float(imp.tokens), 0.0)[:, None]
-            out[f"blk.{il}.ffn_{kind}_exps.weight"] = (sums.astype(np.float32), counts.astype(np.float32))
+        pairs = {}
+        for which, stat in (("in", inputs), ("mid", mids)):
+            mean = stat.double().numpy()
+            counts = np.where(mean.any(axis=1), float(imp.tokens), 0.0)[:, None]
+            pairs[which] = ((mean * imp.tokens).astype(np.float32), counts.astype(np.float32))
+        for kind, which in (("gate", "in"), ("up", "in"), ("down", "mid")):
+            out[f"blk.{il}.ffn_{kind}_exps.weight"] = pairs[which]
     skipped = []
     for name, stat in imp.linears.items():
         if name.endswith(".kv_b_proj"):  # MLA: llama.cpp splits it into attn_k_b / attn_v_b with other inputs

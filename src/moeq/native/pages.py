@@ -93,15 +93,10 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor, asked onto 2 MB pages before its first write when it is large (the first write
     then faults them in: no collapse, no copy): for the weights moeq lays out itself (il16 stacks, bf12 heads)."""
     shape = tuple(shape)
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     if n < MIN_BYTES or _libc() is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     # a mapping of its own: memory never touched before (a recycled heap chunk may already sit on 4 KB pages)
     mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mm, dtype=dtype, count=math.prod(shape)).view(shape)  # the tensor keeps mm alive
-
-
-def buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """:func:`empty` of ``numel`` elements (the read probe's buffer)."""
-    return empty((numel,), dtype)

@@ -78,11 +78,16 @@ static int il16_rows_i16 = 0;
 void moeq_set_il16_i16(int on) { il16_rows_i16 = on; }
 
 #if defined(MOEQ_IL16)
+// Whether several rows of il16 stack w take the int16 rows here (set, groups of 32k, an integer table: into lut16).
+static inline int il16_i16_rows(const moeq_wstack* w, __m512i* lut16) {
+    return il16_rows_i16 && w->il16 && w->gs % 32 == 0 && il16_lut16(w, lut16);
+}
+
 // y[m, N] = x[m, K] @ W[e]^T for an il16 stack: x as bf16 pairs in scratch (m*K/2 floats), blocks over the threads.
 static void il16_gemv(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     const i64 N = w->N, K = w->K, NB = N / 16;
     __m512i lut16;
-    if (il16_rows_i16 && m >= 2 && w->gs % 32 == 0 && il16_lut16(w, &lut16)) {  // several rows: il16_block_i16
+    if (m >= 2 && il16_i16_rows(w, &lut16)) {  // several rows: il16_block_i16
         int16_t* xq = (int16_t*)scratch;
         float* sx = scratch + m * K / 2;  // the scratch holds 2K + K/16 floats per row
         for (i64 r = 0; r < m; r++) x_to_il16_i16(x + r * K, K, xq + r * K, sx + r * (K / 32));
@@ -708,8 +713,8 @@ void moeq_moe_forward_rtn4_bf16(const moeq_wstack* w13, const moeq_wstack* w2, c
     const void *tab13 = NULL, *tab2 = NULL;
 #if defined(MOEQ_IL16)
     __m512i l13, l2;  // several rows per expert: the il16 stacks' int16 rows where their tables are integers
-    if (il16_rows_i16 && w13->il16 && w13->gs % 32 == 0 && il16_lut16(w13, &l13)) tab13 = &l13, C1 = H / 32;
-    if (il16_rows_i16 && w2->il16 && w2->gs % 32 == 0 && il16_lut16(w2, &l2)) tab2 = &l2, C2 = I / 32;
+    if (il16_i16_rows(w13, &l13)) tab13 = &l13, C1 = H / 32;
+    if (il16_i16_rows(w2, &l2)) tab2 = &l2, C2 = I / 32;
 #endif
     (void)tab13, (void)tab2;
 #endif
