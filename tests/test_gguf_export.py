@@ -239,3 +239,28 @@ def test_gguf_sentencepiece_style_tokenizer(tiny_ckpt, tmp_path):
             assert llama.tokenize(text) == hf(text, add_special_tokens=False).input_ids, text
     finally:
         llama.close()
+
+
+def test_gguf_iq2s_lossless_llama_cpp_runs_it_and_moeq_reads_it_back(tiny_ckpt, tmp_path):
+    """IQ2_S blocks (moeq's search) written as they are: gguf-py decodes them to moeq's values, llama.cpp's own
+    engine computes moeq's logits from them, and moeq reads the file back holding the same blocks (no decoding)."""
+    from moeq.formats import Iq2sWeight
+    src = tiny_ckpt("mixtral", hidden_size=256, intermediate_size=256)
+    m = moeq.load(src, quant="iq2s", progress=False, dtype=torch.float32)
+    out = tmp_path / "gguf"
+    summary = export(m, out, "gguf", source=src)
+    path = out / "model.gguf"
+    assert summary["requantized"] == []
+    types = gguf_types(path)
+    assert types["blk.0.ffn_down_exps.weight"] == types["blk.1.attn_q.weight"] == "IQ2_S"
+    got, want = gguf_values(path), expected_values(m)
+    for name, w in want.items():
+        assert np.array_equal(got[name], w), name
+    assert_llama_cpp_agrees(path, m, src)
+    back = moeq.load(path, progress=False, dtype=torch.float32)
+    ex, ex0 = back.model.layers[0].mlp.experts, m.model.layers[0].mlp.experts
+    assert isinstance(ex.w13, Iq2sWeight) and torch.equal(ex.w13.blocks, ex0.w13.blocks)
+    assert isinstance(back.model.layers[1].self_attn.o_proj.qweight, Iq2sWeight)
+    x = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.allclose(back(x).logits, m(x).logits, rtol=1e-4, atol=1e-4)

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 from typing import Any, ClassVar, Literal
 
 import torch
 
-from moeq.formats import PackedWeight, bnb4, fp8, int8, rtn
+from moeq.formats import PackedWeight, bnb4, fp8, int8, iq2s, rtn
 from moeq.formats.grids import grid
 from moeq.errors import MoeqError
 
+log = logging.getLogger(__name__)
 FORMAT_CONFIGS: dict[str, type[FormatConfig]] = {}
 
 
@@ -212,6 +214,39 @@ class FP8(FormatConfig):
 
 @register
 @dataclasses.dataclass(frozen=True)
+class IQ2S(FormatConfig):
+    """llama.cpp's IQ2_S blocks (2.5625 bits/weight, a 1024-point lattice codebook per 8 weights) by moeq's search
+    (:mod:`moeq.formats.iq2s`); GGUF export lossless. A tensor whose input width is not a multiple of 256 gets
+    ``fallback`` instead (llama.cpp falls back too), said in the log."""
+    weighting: Literal["x2", "mse"] = "x2"
+    fallback: str = "nl2"
+    name: ClassVar[str] = "iq2s"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.weighting not in iq2s.WEIGHTINGS:
+            raise MoeqError(f"unsupported iq2s weighting {self.weighting!r}; valid choices: {list(iq2s.WEIGHTINGS)}")
+        known = globals().get("METHODS")  # None while the presets below are being built
+        if self.fallback == self.name or (known is not None and (
+                self.fallback not in known or isinstance(known[self.fallback], IQ2S))):
+            raise MoeqError(f"iq2s fallback {self.fallback!r} is not a named method other than iq2s")
+
+    def quantize(self, w, name=None, slices=None, importance=None):
+        if w.dim() >= 2 and w.shape[-1] % iq2s.QK:
+            log.info("%s: input width %d is not a multiple of %d: %s instead of iq2s", name or "<unnamed>",
+                     w.shape[-1], iq2s.QK, self.fallback)
+            return METHODS[self.fallback].quantize(w, name, slices, importance)
+        return iq2s.quantize(w, importance, self.weighting, name)
+
+    def uses_importance(self) -> bool:
+        return True
+
+    def label(self) -> str:
+        return "iq2s" + ("-wmse" if self.weighting == "mse" else "")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
 class Keep(FormatConfig):
     """Leave the module in the compute dtype."""
     name: ClassVar[str] = "none"
@@ -249,6 +284,8 @@ METHODS: dict[str, FormatConfig] = {
     # 2 bits for the experts of very large MoEs (nl2-m below keeps the rest at 4-8 bits): 4 levels with a zero, group 16,
     # double-quantized scales: 2.5 + 16/K bits per weight (llama.cpp's Q2_K: 2.625, IQ2_S: 2.5)
     "nl2": RTN(2, 16, grid="nl2", search=7, weighting="x2", double_quant=True),
+    # llama.cpp's IQ2_S blocks by moeq's exhaustive lattice search, 2.5625 bits/weight (GGUF: IQ2_S, lossless)
+    "iq2s": IQ2S(),
     # OCP MXFP4 (gpt-oss' expert format; llama.cpp's MXFP4): E2M1 codes, a power-of-two scale per 32, rounded as
     # llama.cpp's quantize_row_mxfp4_ref; gpt-oss MXFP4 checkpoints load into it exactly; GGUF export lossless
     "mxfp4": RTN(4, 32, grid="mxfp4"),
@@ -284,6 +321,8 @@ MIXES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
     # 2-bit experts, as the big-MoE recipes do (DeepSeek / Kimi on one machine): the routed experts nl2, attention,
     # shared experts and dense MLPs 4-bit (iq4nl-dq), k,v 8-bit
     "nl2-m": ("iq4nl-dq", (("*.experts", "nl2"), *((p, "q8_0") for p in _KV))),
+    # the same recipe with the experts in IQ2_S blocks (a vector codebook: half nl2-m's KL, measured)
+    "iq2s-m": ("iq4nl-dq", (("*.experts", "iq2s"), *((p, "q8_0") for p in _KV))),
     # 5-bit everywhere, k,v and the down projections of llama.cpp's more-bits layers 8-bit (Q5_0/Q8_0 in GGUF)
     "q5_0-m": ("q5_0-opt", tuple((p, "q8_0") for p in (*_KV, "*.experts.w2" + MORE, "*shared_expert.down_proj" + MORE))),
 }

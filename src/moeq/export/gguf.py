@@ -25,7 +25,7 @@ from torch import nn
 
 from moeq.arch import ARCHS, GGUF_FAMILIES, Arch, GgufFamily
 from moeq.export.common import expert_pieces, quantized_modules
-from moeq.formats import PackedWeight, RTNWeight
+from moeq.formats import Iq2sWeight, PackedWeight, RTNWeight
 from moeq.formats.grids import GRIDS
 from moeq.formats.rtn import e8m0_bytes
 from moeq.nn import QuantExperts, QuantLinear
@@ -83,7 +83,10 @@ def gguf_lib():
 
 # ---------------------------------------------------------------------------------------------- tensor conversion
 def ggml_type(w: PackedWeight) -> str | None:
-    """``Q4_0``/``Q5_0``/``Q8_0``/``IQ4_NL``/``MXFP4`` when ``w`` maps onto llama.cpp's blocks exactly, else None."""
+    """``Q4_0``/``Q5_0``/``Q8_0``/``IQ4_NL``/``MXFP4``/``IQ2_S`` when ``w`` maps onto llama.cpp's blocks exactly, else
+    None."""
+    if isinstance(w, Iq2sWeight):
+        return "IQ2_S"  # its blocks are ggml's block_iq2_s
     if not isinstance(w, RTNWeight) or w.zero is not None or w.group_size != 32:
         return None
     qtype = GRIDS[w.grid].ggml_type(w.bits) if w.grid in GRIDS else None
@@ -97,10 +100,12 @@ def ggml_type(w: PackedWeight) -> str | None:
     return qtype
 
 
-def ggml_blocks(w: RTNWeight) -> torch.Tensor:
+def ggml_blocks(w: RTNWeight | Iq2sWeight) -> torch.Tensor:
     """Q4_0/Q8_0/IQ4_NL block bytes ``[..., N, K/32 * (2 + 32*bits/8)]`` of a weight :func:`ggml_type` accepts
     (IQ4_NL has Q4_0's layout; its nibbles index the iq4nl table, which moeq's codes already do; MXFP4 too, after a
-    one-byte E8M0 exponent instead of the fp16 scale)."""
+    one-byte E8M0 exponent instead of the fp16 scale); an iq2s weight's blocks as they are."""
+    if isinstance(w, Iq2sWeight):
+        return w.blocks
     if GRIDS[w.grid].ggml_head == "e8m0":
         e = w.scale if w.scale.dtype == torch.uint8 else e8m0_bytes(w.scale)  # scale = 2^(e - 128)
         codes = w.codes().unflatten(-1, (-1, 32))

@@ -26,14 +26,15 @@ Adding a format (what rtn.py, bnb4.py, int8.py and fp8.py each follow):
 6. Tests in ``tests/formats/test_<name>.py``: round trip and SQNR vs the reference, and parity with the engine's own
    library where one exists.
 """
-from moeq.formats import bnb4, fp8, int8, rtn
+from moeq.formats import bnb4, fp8, int8, iq2s, rtn
 from moeq.formats.base import PackedWeight
 from moeq.formats.bnb4 import Bnb4Weight
 from moeq.formats.fp8 import Fp8Weight
 from moeq.formats.int8 import Int8Weight
+from moeq.formats.iq2s import Iq2sWeight
 from moeq.formats.rtn import RTNWeight
 
-WEIGHT_TYPES: dict[str, type[PackedWeight]] = {c.format: c for c in (RTNWeight, Bnb4Weight, Int8Weight, Fp8Weight)}
+WEIGHT_TYPES: dict[str, type[PackedWeight]] = {c.format: c for c in (RTNWeight, Bnb4Weight, Int8Weight, Fp8Weight, Iq2sWeight)}
 
-__all__ = ["bnb4", "fp8", "int8", "rtn", "PackedWeight", "RTNWeight", "Bnb4Weight", "Int8Weight", "Fp8Weight",
-           "WEIGHT_TYPES"]
+__all__ = ["bnb4", "fp8", "int8", "iq2s", "rtn", "PackedWeight", "RTNWeight", "Bnb4Weight", "Int8Weight",
+           "Fp8Weight", "Iq2sWeight", "WEIGHT_TYPES"]

@@ -9,7 +9,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from moeq.formats import Bnb4Weight, Fp8Weight, Int8Weight, RTNWeight
+from moeq.formats import Bnb4Weight, Fp8Weight, Int8Weight, Iq2sWeight, RTNWeight, iq2s
 from moeq.formats.rtn import CODEBOOKS, NATIVE_SCALE_DTYPES
 from moeq import native
 from moeq.kernels.registry import register
@@ -212,4 +212,22 @@ def fp8_gemv(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None,
             return _finish(y, x, n, bias)
     xf = x.reshape(m, k).float().contiguous()
     L.moeq_fp8_gemv(native.ptr(xf), native.i64(m), *args)
+    return _finish(y, x, n, bias)
+
+
+@register("iq2s")
+def iq2s_gemv(w: Iq2sWeight, x: torch.Tensor, bias: torch.Tensor | None,
+              max_rows: int | None = None) -> torch.Tensor | None:
+    """IQ2_S rows: int8 activations per 256 against the grid bytes (AVX512-VNNI), fp32 elsewhere."""
+    m = _rows(w, x, max_rows)
+    L = native.lib()
+    if m is None or L is None or not native.usable(w.blocks):
+        return None
+    n, k = w.shape
+    native.fits((w.blocks, n * (k // iq2s.QK) * iq2s.BLOCK_BYTES))
+    xf = x.reshape(m, k).float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    if not L.moeq_iq2s_gemv(native.ptr(xf), native.i64(m), native.ptr(w.blocks), native.i64(n), native.i64(k),
+                            native.ptr(iq2s.GRID), native.ptr(y)):
+        return None
     return _finish(y, x, n, bias)

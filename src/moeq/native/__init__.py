@@ -1,6 +1,6 @@
 """The native CPU library: C sources in ``csrc/`` (``moeq.h`` shared types and prototypes; ``quants.c``,
-``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c``, ``bf12.c``, ``fp8.c``
-split by concern),
+``gemv.c``, ``moe.c``, ``decode.c``, ``i8.c``, ``model.c``, ``rows16.c``, ``gemm.c``, ``bf12.c``, ``fp8.c``,
+``iq2s.c`` split by concern),
 compiled on first use with the system C compiler into one shared library in a per-user cache, and called through
 ctypes.
 
@@ -34,7 +34,7 @@ from moeq.errors import MoeqError
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c", "bf12.c", "fp8.c")
+SOURCES = ("quants.c", "gemv.c", "moe.c", "decode.c", "i8.c", "model.c", "rows16.c", "gemm.c", "bf12.c", "fp8.c", "iq2s.c")
 HEADERS = ("moeq.h", "rtn4_rows.h", "rows_avx2.h", "il16_rows.h")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "MOEQ_NATIVE_MARCH"  # e.g. x86-64-v3 / skylake-avx512: build and test what CPUs without AVX512-BF16 get
@@ -144,6 +144,10 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_cb4_scale_codes": (None, [_P, _I, _I, _P, _P]),
     "moeq_int8_dequant": (None, [_P, _P, _I, _I, _P, _INT]),
     "moeq_fp8_dequant": (_INT, [_P, _P, _I, _I, _I, _I, _I, _P, _INT]),
+    # iq2s.c
+    "moeq_iq2s_quantize": (None, [_P, _I, _I, _P, _INT, _P, _P]),
+    "moeq_iq2s_dequant": (None, [_P, _I, _I, _P, _P, _INT]),
+    "moeq_iq2s_gemv": (_INT, [_P, _I, _P, _I, _I, _P, _P]),
     "moeq_ggml_unpack": (None, [_P, _I, _INT, _INT, _P, _P]),
     # gemv.c
     "moeq_has_dpbf16": (_INT, []),

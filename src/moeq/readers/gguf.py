@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from moeq.arch import GGUF_FAMILIES
 from moeq.errors import MoeqError
-from moeq.formats import RTNWeight
+from moeq.formats import Iq2sWeight, RTNWeight
 from moeq.formats.grids import GRIDS, from_ggml
 from moeq.formats.packing import pack
 from moeq.readers.state import LoadState, compute_dtype, set_tensor
@@ -29,6 +29,7 @@ from moeq.config import QuantConfig
 
 
 PACKED = ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4")  # GGML types moeq holds as they are (grids.from_ggml, group 32)
+HELD = (*PACKED, "IQ2_S")  # ... and as their own block bytes (moeq.formats.iq2s)
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -363,14 +364,18 @@ def load(path: Path, dtype: torch.dtype | None = None) -> nn.Module:
                 data.nbytes != math.prod(logical[:-1]) * (logical[-1] // block) * per):
             raise MoeqError(f"{file}: tensor {t.name}: {data.nbytes} bytes of {qtype} do not hold shape "
                             f"{list(logical)}")
-        packed = qtype in PACKED and not kind.startswith("mla.")
+        packed = qtype in HELD and not kind.startswith("mla.")
         if packed and kind.startswith("experts."):  # a layer's experts are packed only all together (llama.cpp's
             blk = t.name.split(".ffn_")[0]           # mixes may give down another type than gate/up)
             gate, up, down = (types.get(f"{blk}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
-            packed = gate == up and gate in PACKED and down in PACKED
+            packed = gate == up and gate in HELD and down in HELD
         if packed:
-            row, bits = from_ggml(qtype)
-            w = _rtn_from_blocks(data, bits, logical, t.name, row.name)
+            if qtype == "IQ2_S":
+                blocks = torch.from_numpy(np.array(data, copy=True)).reshape(*logical[:-1], -1)
+                w = Iq2sWeight(blocks=blocks, shape=logical, dtype=dtype).validate(f"{file}: tensor {t.name}")
+            else:
+                row, bits = from_ggml(qtype)
+                w = _rtn_from_blocks(data, bits, logical, t.name, row.name)
             if kind.startswith("experts."):
                 state.put_packed_stack(hf, kind.split(".")[1], w, t.name)
             else:

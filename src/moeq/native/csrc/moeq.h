@@ -359,6 +359,10 @@ int moeq_cb4_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const void* 
 void moeq_cb4_gemv(const float* x, i64 M, const uint8_t* q, const void* scale, int scale_bf16, const uint16_t* sup,
                    const float* values, i64 N, i64 K, i64 gs, int bits, float* y);
 void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i64 N, i64 K, float* y);
+// ---- iq2s.c ----
+void moeq_iq2s_quantize(const float* x, i64 rows, i64 K, const float* imp, int mse, const uint8_t* grid, uint8_t* out);
+void moeq_iq2s_dequant(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* grid, void* out, int bf16);
+int moeq_iq2s_gemv(const float* x, i64 M, const uint8_t* blocks, i64 N, i64 K, const uint8_t* grid, float* y);
 // ---- fp8.c ----
 void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk, float* y);
 int moeq_fp8_gemv_bf16(const uint16_t* xb, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk,

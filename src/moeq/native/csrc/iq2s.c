@@ -1,0 +1,323 @@
+// llama.cpp's IQ2_S blocks (ggml's block_iq2_s: 82 bytes per 256 weights, moeq.formats.iq2s): moeq's quantizer,
+// the dequantization and the small-batch GEMV. `grid` is ggml's iq2s_grid as uint8 [1024][8] (values 8, 25, 43),
+// passed by the caller (moeq.formats.iq2s.GRID).
+//
+// Block: d fp16 | qs[32] low 8 index bits per group of 8 | signs[32] | qh[8] high 2 index bits, four groups per byte |
+// scales[8] 4-bit per 16 weights, low nibble first. Weight 8g+i = d * (0.5 + scale[g/2]) * 0.25 * grid[idx[g]][i] * sign.
+#include "moeq.h"
+
+#define Q2_QK 256
+#define Q2_BYTES 82
+#define Q2_NG 1024
+#define Q2_CANDIDATES 24  // sub-block scale candidates: amax/43 * (0.62 .. 1.54)
+#define Q2_REFIT 3        // least-squares refits of the super-block scale
+
+static inline float q2_h2f(uint16_t h) {
+    const uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    float v = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 0x400), (int)e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
+static inline uint16_t q2_f2h(float f) {  // 0 <= f, round to nearest even; saturates at fp16's largest finite value
+    if (!(f < 65504.f)) return 0x7BFF;
+    if (f < 0x1p-25f) return 0;
+    int e;
+    const float m = frexpf(f, &e);  // f = m * 2^e, m in [0.5, 1)
+    if (e - 1 >= -14) {
+        uint32_t mant = (uint32_t)lrintf(ldexpf(m, 11));  // 1024 .. 2048
+        if (mant == 2048) { mant = 1024; e++; }
+        const int E = e - 1 + 15;
+        return E >= 31 ? 0x7BFF : (uint16_t)((E << 10) | (mant - 1024));
+    }
+    return (uint16_t)lrintf(ldexpf(f, 24));  // subnormal (1024 rounds up into the smallest normal: same bits)
+}
+
+static inline int q2_index(const uint8_t* b, int g) {
+    return b[2 + g] | (((b[66 + g / 4] >> (2 * (g % 4))) & 3) << 8);
+}
+
+static inline int q2_scale(const uint8_t* b, int s) { return (b[74 + s / 2] >> (4 * (s % 2))) & 15; }
+
+// ------------------------------------------------------------------------------------------------- quantize
+// For one group of 8 (|x| in a, error weights w): P2[j] = 2 sum_i w a G[j][i], Q[j] = sum_i w G[j][i]^2, so that the
+// weighted squared error of point j at scale c is const + c (c Q[j] - P2[j]).
+static void q2_pq(const float* a, const float* w, const float* GT, const float* G2T, float* P2, float* Q) {
+    float wa[8];
+    for (int i = 0; i < 8; i++) wa[i] = 2.f * w[i] * a[i];
+    for (int j = 0; j < Q2_NG; j++) { P2[j] = 0.f; Q[j] = 0.f; }
+    for (int i = 0; i < 8; i++) {
+        const float* g = GT + i * Q2_NG;
+        const float* g2 = G2T + i * Q2_NG;
+        for (int j = 0; j < Q2_NG; j++) {
+            P2[j] += wa[i] * g[j];
+            Q[j] += w[i] * g2[j];
+        }
+    }
+}
+
+// The point of least weighted error at scale c > 0 (the first one on ties); *cost = c Q[j] - P2[j].
+static inline int q2_best(const float* P2, const float* Q, float c, float* cost) {
+#if defined(__AVX512F__)
+    const __m512 vc = _mm512_set1_ps(c);
+    __m512 best = _mm512_set1_ps(INFINITY);
+    __m512i bi = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (int j = 0; j < Q2_NG; j += 16) {
+        const __m512 v = _mm512_fmsub_ps(vc, _mm512_loadu_ps(Q + j), _mm512_loadu_ps(P2 + j));
+        const __mmask16 lt = _mm512_cmp_ps_mask(v, best, _CMP_LT_OQ);
+        best = _mm512_mask_mov_ps(best, lt, v);
+        bi = _mm512_mask_mov_epi32(bi, lt, idx);
+        idx = _mm512_add_epi32(idx, step);
+    }
+    const float m = _mm512_reduce_min_ps(best);
+    const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    *cost = m;
+    return _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(_mm512_set1_epi32(Q2_NG), eq, bi)) % Q2_NG;
+#else
+    float m = INFINITY;
+    int b = 0;
+    for (int j = 0; j < Q2_NG; j++) {
+        const float v = fmaf(c, Q[j], -P2[j]);
+        if (v < m) { m = v; b = j; }
+    }
+    *cost = m;
+    return b;
+#endif
+}
+
+typedef struct {
+    float P2[32][Q2_NG], Q[32][Q2_NG];
+} q2_work;
+
+// Points of sub-block s at scale c: returns its error term c (c Q - P2) summed over its two groups.
+static inline float q2_assign(const q2_work* W, int s, float c, int* j0, int* j1) {
+    float e0, e1;
+    *j0 = q2_best(W->P2[2 * s], W->Q[2 * s], c, &e0);
+    *j1 = q2_best(W->P2[2 * s + 1], W->Q[2 * s + 1], c, &e1);
+    return c * (e0 + e1);
+}
+
+// With the super-block scale dq, each sub-block's 4-bit code (the rounded one and its neighbours) and points of least
+// error; returns the block's error term.
+static float q2_codes(const q2_work* W, const float* cls, float dq, int* l, int* idx) {
+    float total = 0.f;
+    for (int s = 0; s < 16; s++) {
+        int l0 = (int)lrintf(cls[s] / (dq * 0.25f) - 0.5f);
+        l0 = l0 < 0 ? 0 : l0 > 15 ? 15 : l0;
+        float best = INFINITY;
+        for (int t = l0 - 1; t <= l0 + 1; t++) {
+            if (t < 0 || t > 15) continue;
+            int j0, j1;
+            const float e = q2_assign(W, s, dq * (0.5f + (float)t) * 0.25f, &j0, &j1);
+            if (e < best) { best = e; l[s] = t; idx[2 * s] = j0; idx[2 * s + 1] = j1; }
+        }
+        total += best;
+    }
+    return total;
+}
+
+static void q2_quantize_block(const float* x, const float* imp, int mse, const float* GT, const float* G2T,
+                              q2_work* W, uint8_t* out) {
+    memset(out, 0, Q2_BYTES);
+    float sumx2 = 0.f;
+    for (int i = 0; i < Q2_QK; i++) sumx2 += x[i] * x[i];
+    if (sumx2 == 0.f) return;  // d = 0: every weight 0
+    const float sigma2 = 2.f * sumx2 / Q2_QK;
+    float a[Q2_QK], w[Q2_QK], wsum = 0.f;
+    for (int i = 0; i < Q2_QK; i++) {
+        a[i] = fabsf(x[i]);
+        w[i] = imp ? (mse ? imp[i] : imp[i] * sqrtf(sigma2 + x[i] * x[i])) : 0.25f * sigma2 + x[i] * x[i];
+        wsum += w[i];
+    }
+    const float floor_w = 1e-6f * wsum / Q2_QK + 1e-30f;  // columns of zero importance still get a point
+    for (int i = 0; i < Q2_QK; i++) w[i] += floor_w;
+    for (int g = 0; g < 32; g++) q2_pq(a + 8 * g, w + 8 * g, GT, G2T, W->P2[g], W->Q[g]);
+    // each sub-block's best unrounded scale: a scan of candidate scales, least-squares refit of each candidate's points
+    float cls[16], cmax = 0.f;
+    for (int s = 0; s < 16; s++) {
+        float amax = 0.f;
+        for (int i = 0; i < 16; i++) amax = a[16 * s + i] > amax ? a[16 * s + i] : amax;
+        float best = INFINITY;
+        cls[s] = 0.f;
+        for (int t = 0; t < Q2_CANDIDATES && amax > 0.f; t++) {
+            int j0, j1;
+            q2_assign(W, s, amax / 43.f * (0.62f + 0.04f * (float)t), &j0, &j1);
+            const float num = 0.5f * (W->P2[2 * s][j0] + W->P2[2 * s + 1][j1]);
+            const float den = W->Q[2 * s][j0] + W->Q[2 * s + 1][j1];
+            if (den <= 0.f || num <= 0.f) continue;
+            const float err = -num * num / den;
+            if (err < best) { best = err; cls[s] = num / den; }
+        }
+        cmax = cls[s] > cmax ? cls[s] : cmax;
+    }
+    if (cmax <= 0.f) return;
+    int l[16], idx[32], lb[16], idxb[32];
+    uint16_t d16 = q2_f2h(cmax / (15.5f * 0.25f)), best16 = 0;
+    float best = INFINITY;
+    for (int it = 0; it <= Q2_REFIT; it++) {
+        const float dq = q2_h2f(d16);
+        if (!(dq > 0.f)) break;
+        const float e = q2_codes(W, cls, dq, l, idx);
+        if (!(e < best)) break;
+        best = e;
+        best16 = d16;
+        memcpy(lb, l, sizeof l);
+        memcpy(idxb, idx, sizeof idx);
+        // refit d by least squares over the whole block for these codes and points
+        float num = 0.f, den = 0.f;
+        for (int s = 0; s < 16; s++) {
+            const float f = (0.5f + (float)l[s]) * 0.25f;
+            num += f * 0.5f * (W->P2[2 * s][idx[2 * s]] + W->P2[2 * s + 1][idx[2 * s + 1]]);
+            den += f * f * (W->Q[2 * s][idx[2 * s]] + W->Q[2 * s + 1][idx[2 * s + 1]]);
+        }
+        if (!(den > 0.f) || !(num > 0.f)) break;
+        const uint16_t next = q2_f2h(num / den);
+        if (next == d16) break;
+        d16 = next;
+    }
+    if (best16 == 0) return;
+    out[0] = (uint8_t)(best16 & 0xFF);
+    out[1] = (uint8_t)(best16 >> 8);
+    for (int g = 0; g < 32; g++) {
+        out[2 + g] = (uint8_t)(idxb[g] & 0xFF);
+        out[66 + g / 4] |= (uint8_t)((idxb[g] >> 8) << (2 * (g % 4)));
+        uint8_t sb = 0;
+        for (int i = 0; i < 8; i++) sb |= (uint8_t)((x[8 * g + i] < 0.f) << i);
+        out[34 + g] = sb;
+    }
+    for (int s = 0; s < 16; s++) out[74 + s / 2] |= (uint8_t)(lb[s] << (4 * (s % 2)));
+}
+
+// x fp32 [rows, K] (K % 256 == 0) -> blocks [rows, K/256 * 82]; imp fp32 [K] or NULL; mse: weigh errors by imp alone.
+void moeq_iq2s_quantize(const float* x, i64 rows, i64 K, const float* imp, int mse, const uint8_t* grid, uint8_t* out) {
+    float GT[8 * Q2_NG], G2T[8 * Q2_NG];  // the grid transposed [8][1024], and squared
+    for (int j = 0; j < Q2_NG; j++)
+        for (int i = 0; i < 8; i++) {
+            GT[i * Q2_NG + j] = (float)grid[8 * j + i];
+            G2T[i * Q2_NG + j] = (float)grid[8 * j + i] * (float)grid[8 * j + i];
+        }
+    const i64 nb = K / Q2_QK;
+#pragma omp parallel
+    {
+        q2_work* W = (q2_work*)malloc(sizeof(q2_work));
+#pragma omp for schedule(dynamic, 4)
+        for (i64 t = 0; t < rows * nb; t++) {
+            if (!W) continue;
+            const i64 r = t / nb, b = t % nb;
+            q2_quantize_block(x + r * K + b * Q2_QK, imp ? imp + b * Q2_QK : NULL, mse, GT, G2T, W,
+                              out + (r * nb + b) * Q2_BYTES);
+        }
+        free(W);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------- dequantize
+void moeq_iq2s_dequant(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* grid, void* out, int bf16) {
+    const i64 nb = K / Q2_QK;
+#pragma omp parallel for schedule(static)
+    for (i64 t = 0; t < rows * nb; t++) {
+        const uint8_t* b = blocks + t * Q2_BYTES;
+        const float d = q2_h2f((uint16_t)(b[0] | (b[1] << 8)));
+        float v[Q2_QK];
+        for (int g = 0; g < 32; g++) {
+            const float db = d * (0.5f + (float)q2_scale(b, g / 2)) * 0.25f;
+            const uint8_t* gp = grid + 8 * q2_index(b, g);
+            for (int i = 0; i < 8; i++) {
+                const float y = db * (float)gp[i];
+                v[8 * g + i] = (b[34 + g] >> i) & 1 ? -y : y;
+            }
+        }
+        if (bf16) {
+            uint16_t* o = (uint16_t*)out + t * Q2_QK;
+            for (int i = 0; i < Q2_QK; i++) o[i] = f2bf(v[i]);
+        } else {
+            memcpy((float*)out + t * Q2_QK, v, sizeof v);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------ gemv
+// y[M, N] = x[M, K] @ dequant(W)^T. AVX512-VNNI: x quantized to int8 per 256 (scale amax/127, as llama.cpp's q8_K),
+// each 64 weights' grid bytes (unsigned) times the sign-flipped x bytes by vpdpbusd, four int32 sums per 16-weight
+// sub-block scaled in fp32. Elsewhere fp32 throughout.
+#define Q2_ROWS 4
+
+int moeq_iq2s_gemv(const float* x, i64 M, const uint8_t* blocks, i64 N, i64 K, const uint8_t* grid, float* y) {
+    const i64 nb = K / Q2_QK;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    int8_t* xq = (int8_t*)aligned_alloc(64, (size_t)(M * K + 64));
+    float* sx = (float*)malloc(sizeof(float) * (size_t)(M * nb + 1));
+    if (!xq || !sx) { free(xq); free(sx); return 0; }
+    for (i64 t = 0; t < M * nb; t++) {
+        const float* xb = x + t * Q2_QK;
+        float amax = 0.f;
+        for (int i = 0; i < Q2_QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        sx[t] = amax / 127.f;
+        for (int i = 0; i < Q2_QK; i++) xq[t * Q2_QK + i] = (int8_t)lrintf(xb[i] * id);
+    }
+    const uint64_t* g64 = (const uint64_t*)grid;
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const uint8_t* row = blocks + n * nb * Q2_BYTES;
+        for (i64 m0 = 0; m0 < M; m0 += Q2_ROWS) {
+            const i64 mc = M - m0 < Q2_ROWS ? M - m0 : Q2_ROWS;
+            __m512 acc[Q2_ROWS];
+            for (int m = 0; m < Q2_ROWS; m++) acc[m] = _mm512_setzero_ps();
+            for (i64 b = 0; b < nb; b++) {
+                const uint8_t* bl = row + b * Q2_BYTES;
+                const float d = q2_h2f((uint16_t)(bl[0] | (bl[1] << 8)));
+                for (int c = 0; c < 4; c++) {  // 64 weights: groups 8c .. 8c+7, sub-blocks 4c .. 4c+3
+                    uint64_t gv[8];
+                    for (int g = 0; g < 8; g++) gv[g] = g64[q2_index(bl, 8 * c + g)];
+                    const __m512i w = _mm512_loadu_si512(gv);
+                    uint64_t sm;
+                    memcpy(&sm, bl + 34 + 8 * c, 8);
+                    const uint8_t s01 = bl[74 + 2 * c], s23 = bl[75 + 2 * c];
+                    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(d * 0.25f), _mm512_setr_ps(
+                        0.5f + (s01 & 15), 0.5f + (s01 & 15), 0.5f + (s01 & 15), 0.5f + (s01 & 15),
+                        0.5f + (s01 >> 4), 0.5f + (s01 >> 4), 0.5f + (s01 >> 4), 0.5f + (s01 >> 4),
+                        0.5f + (s23 & 15), 0.5f + (s23 & 15), 0.5f + (s23 & 15), 0.5f + (s23 & 15),
+                        0.5f + (s23 >> 4), 0.5f + (s23 >> 4), 0.5f + (s23 >> 4), 0.5f + (s23 >> 4)));
+                    for (i64 m = 0; m < mc; m++) {
+                        const i64 t = (m0 + m) * nb + b;
+                        const __m512i xv = _mm512_loadu_si512(xq + t * Q2_QK + 64 * c);
+                        const __m512i xs = _mm512_mask_sub_epi8(xv, (__mmask64)sm, _mm512_setzero_si512(), xv);
+                        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xs);
+                        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(f, _mm512_set1_ps(sx[t])),
+                                                 acc[m]);
+                    }
+                }
+            }
+            for (i64 m = 0; m < mc; m++) y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]);
+        }
+    }
+    free(xq);
+    free(sx);
+    return 1;
+#else
+#pragma omp parallel for schedule(static)
+    for (i64 n = 0; n < N; n++) {
+        const uint8_t* row = blocks + n * nb * Q2_BYTES;
+        for (i64 m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (i64 b = 0; b < nb; b++) {
+                const uint8_t* bl = row + b * Q2_BYTES;
+                const float d = q2_h2f((uint16_t)(bl[0] | (bl[1] << 8)));
+                const float* xb = x + m * K + b * Q2_QK;
+                for (int g = 0; g < 32; g++) {
+                    const uint8_t* gp = grid + 8 * q2_index(bl, g);
+                    float part = 0.f;
+                    for (int i = 0; i < 8; i++) {
+                        const float v = (float)gp[i] * xb[8 * g + i];
+                        part += (bl[34 + g] >> i) & 1 ? -v : v;
+                    }
+                    acc += d * (0.5f + (float)q2_scale(bl, g / 2)) * 0.25f * part;
+                }
+            }
+            y[m * N + n] = acc;
+        }
+    }
+    return 1;
+#endif
+}
