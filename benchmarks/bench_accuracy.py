@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 
 import moeq
 from moeq.bench import cpu_summary
-from moeq.config import BNB4, FP4, IQ2S, NF4, RTN, Int8, QuantConfig, presets
+from moeq.config import BNB4, FP4, IQ2S, METHODS, NF4, RTN, Int8, QuantConfig, presets
 from moeq.errors import MoeqError
 from moeq.eval import DECODE_CHUNK, evaluate_many, tokenize
 from moeq.io.writer import write_json
@@ -98,6 +98,13 @@ def methods() -> dict[str, QuantConfig]:
         "iq4nl, attention + down q8_0": QuantConfig(IQ4R, rules={"*.self_attn.*": Q80, "*.experts.w2": Q80}),
         **{f"moeq {n}": n for n in ("q4_0-opt", "q4_0-m", "iq4nl", "iq4nl-dq", "iq4nl-m", "iq4nl-l", "q8_0", "nf4-opt", "q5_0",
                                     "q5_0-opt", "q5_0-m", "nl3", "nl3-s", "nl3-m", "nl2-m", "iq2s-m")},
+        "iq2s experts, attention iq4nl, k/v q8_0 (llama.cpp's 2-bit rows' recipe)": QuantConfig(
+            IQ4R, rules={"*.experts": IQ2S(), **{p: Q80 for p in ("*.k_proj", "*.v_proj")}}),
+        "iq2s experts, q iq4nl, o q5_0-opt, k/v q8_0 (llama.cpp's IQ4_NL mix: o Q5_1)": QuantConfig(
+            IQ4R, rules={"*.experts": IQ2S(), "*.o_proj": METHODS["q5_0-opt"],
+                         **{p: Q80 for p in ("*.k_proj", "*.v_proj")}}),
+        "iq2s experts (importance alone as weights), attention iq4nl, k/v q8_0": QuantConfig(
+            IQ4R, rules={"*.experts": IQ2S(weighting="mse"), **{p: Q80 for p in ("*.k_proj", "*.v_proj")}}),
         "iq2s-m, importance alone as weights": QuantConfig(
             RTN(4, 32, grid="iq4nl", search=7, weighting="row", double_quant=True),
             rules={"*.experts": IQ2S(weighting="mse"), **{p: Q80 for p in ("*.k_proj", "*.v_proj")}}),

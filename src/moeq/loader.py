@@ -5,6 +5,7 @@ parameter filled, or an error naming them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -15,6 +16,9 @@ from moeq.config import QuantConfig
 from moeq.errors import MoeqError
 from moeq.io import hub
 from moeq.nn import finite
+
+log = logging.getLogger(__name__)
+AUTO_IMPORTANCE_TOKENS = 8192  # the importance a format that needs it gets when the caller asked for none
 
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
@@ -31,7 +35,8 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     ``importance`` (tokens, e.g. 8192; 0: off): data-free importance (:mod:`moeq.importance`) — a first streamed pass
     quantizes the checkpoint with ``q4_0``, runs that many uniformly random token ids through it and keeps each
     quantized weight's mean squared input columns; the second pass quantizes with ``quant`` weighing its scale
-    search by them. For methods whose quantizer searches (``iq4nl*``, ``nl3*``, ``q4_0-opt``); no text needed.
+    search by them. For methods whose quantizer searches (``iq4nl*``, ``nl3*``, ``q4_0-opt``, ``iq2s*``); no text
+    needed. Formats unusable without it (``iq2s``: no zero level) get it at :data:`AUTO_IMPORTANCE_TOKENS` when 0.
 
     ``bpw`` (bits per quantized weight, e.g. 3.8): data-free bit allocation (:mod:`moeq.allocate`) — the model is
     first loaded unquantized, each tensor's sensitivity measured on random token ids, and each tensor's method chosen
@@ -52,6 +57,10 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
         imp = importance_for(src, "iq4nl", dtype, progress, importance) if importance else None
         quant, allocation = allocate_for(src, quant, dtype, progress, bpw, imp)
     else:
+        if not importance and needs_importance(quant):
+            importance = AUTO_IMPORTANCE_TOKENS
+            log.info("%s needs column importance: measuring moeq's data-free statistic on %d random tokens first",
+                     quant if isinstance(quant, str) else "this config", importance)
         imp = importance_for(src, quant, dtype, progress, importance) if importance else None
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
@@ -84,6 +93,14 @@ def allocate_for(src, quant, dtype, progress: bool, bpw: float, importance=None)
         del first
     return allocate.config(sens, float(bpw)), allocate.summary(sens, float(bpw)) | {
         "importance_weighted": importance is not None}
+
+
+def needs_importance(quant) -> bool:
+    """Whether any format of ``quant`` is unusable without column importance (``iq2s``)."""
+    if quant is None:
+        return False
+    qcfg = QuantConfig.of(quant)
+    return any(f.needs_importance() for f in (qcfg.default, *(f for _, f in qcfg.all_rules)))
 
 
 def importance_for(src, quant, dtype, progress: bool, tokens: int):

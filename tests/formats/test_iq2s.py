@@ -168,3 +168,20 @@ def test_config_falls_back_where_the_width_is_not_a_multiple_of_256(caplog):
         IQ2S(weighting="abs")
     assert IQ2S.from_dict(IQ2S(weighting="mse").to_dict()) == IQ2S(weighting="mse")
     assert np.isclose(iq2s.quantize(torch.randn(3, 256)).bits_per_weight, 82 * 8 / 256)
+
+
+@needs_native
+def test_load_measures_importance_for_iq2s_itself(tiny_ckpt):
+    """iq2s is unusable without column importance: moeq.load measures the data-free statistic when none was asked
+    for, and records it in the checkpoint's quantization_config; the model's experts hold IQ2_S blocks."""
+    import moeq
+    from moeq.loader import AUTO_IMPORTANCE_TOKENS, needs_importance
+
+    assert needs_importance("iq2s-m") and needs_importance("iq2s") and not needs_importance("iq4nl")
+    src = tiny_ckpt("qwen3_moe", hidden_size=256, moe_intermediate_size=256)
+    m = moeq.load(src, quant="iq2s-m", progress=False)
+    assert m.config.quantization_config["importance"]["tokens"] == AUTO_IMPORTANCE_TOKENS
+    experts = m.model.layers[0].mlp.experts
+    assert isinstance(experts.w13, Iq2sWeight) and isinstance(experts.w2, Iq2sWeight)
+    with torch.no_grad():
+        assert torch.isfinite(m(torch.tensor([[1, 2, 3]])).logits).all()
