@@ -17,7 +17,7 @@ from moeq.nn import QuantLinear
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C compiler: the native kernels are not built")
 
-ALWAYS = {"il16", "fp8", "cb", "rtn4_bf16", "rtn", "bnb4"}  # the rows whose run never declines
+ALWAYS = {"il16", "fp8", "cb", "rtn4_bf16", "rtn", "bnb4", "iq2s"}  # the rows whose run never declines
 METHOD_NAMES = [m for m in METHODS if m != "none"]
 
 

@@ -33,8 +33,8 @@ from moeq.errors import MoeqError
 from moeq.version import __version__
 
 log = logging.getLogger(__name__)
-SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 (Kimi K2), glm4_moe and gpt_oss models (any moeq format: symmetric 4/8-bit RTN with group 32 is "
-            "written losslessly as Q4_0/Q8_0, everything else is re-quantized)")
+SUPPORTS = ("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 (Kimi K2), glm4_moe and gpt_oss models (any moeq format: symmetric 4/5/8-bit RTN with group 32 "
+            "is written losslessly as Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4, iq2s as IQ2_S, everything else is re-quantized)")
 FILE = "model.gguf"
 MOEQ_KEY = "moeq.version"
 HF_CONFIG_KEY = "moeq.hf_config"

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from moeq import native
-from moeq.formats import Bnb4Weight, Fp8Weight, PackedWeight, RTNWeight
+from moeq.formats import Bnb4Weight, Fp8Weight, Iq2sWeight, PackedWeight, RTNWeight, iq2s
 from moeq.formats.rtn import CODEBOOK_BITS, CODEBOOKS, NATIVE_SCALE_DTYPES, grid_values, native_values
 from moeq.kernels.registry import by_format
 from moeq.native import Fmt, WStack
@@ -162,6 +162,16 @@ def _describe_bnb4(w: Bnb4Weight, e: int, n: int, k: int, keep: list, dot_bf16: 
                   scale=absmax.data_ptr(), scale_bf16=0, absmax_u8=int(dq), zero=None, bits=4, gs=w.blocksize,
                   code=code.data_ptr(), offset=native.ptr(w.offset), nested_absmax=native.ptr(w.nested_absmax),
                   nested_code=native.ptr(w.nested_code), spe=spe, N=n, K=k)
+
+
+@describer("iq2s")
+def _describe_iq2s(w: Iq2sWeight, e: int, n: int, k: int, keep: list, dot_bf16: bool) -> WStack | None:
+    if not native.usable(w.blocks) or k % iq2s.QK:
+        return None
+    native.fits((w.blocks, e * n * (k // iq2s.QK) * iq2s.BLOCK_BYTES))
+    keep += [w.blocks, iq2s.GRID]
+    return WStack(fmt=Fmt.IQ2S, dot_bf16=0, q=w.blocks.data_ptr(), scale=iq2s.GRID.data_ptr(), scale_bf16=0,
+                  absmax_u8=0, zero=None, bits=2, gs=iq2s.QK, spe=1, N=n, K=k)
 
 
 @describer("fp8")

@@ -74,6 +74,7 @@ class Fmt(enum.IntEnum):
     RTN = 0
     BNB4 = 1
     FP8 = 2
+    IQ2S = 3
 
 
 class WStack(ctypes.Structure):

@@ -299,6 +299,12 @@ static int run_fp8_bf16(const moeq_wstack* w, i64 e, const float* x, i64 m, floa
     return moeq_fp8_gemv_bf16(xb, m, w->q + e * N * K, (const float*)w->scale + e * tiles, N, K, w->bn, w->gs, y);
 }
 
+static int run_iq2s(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
+    (void)scratch;
+    const i64 N = w->N, K = w->K;
+    return moeq_iq2s_gemv(x, m, w->q + e * N * (K / 256 * 82), N, K, (const uint8_t*)w->scale, y);
+}
+
 static int run_fp8(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     (void)scratch;
     const i64 N = w->N, K = w->K, tiles = ((N + w->bn - 1) / w->bn) * ((K + w->gs - 1) / w->gs);
@@ -461,6 +467,7 @@ static const moeq_kernel KERNELS[] = {
     {"rtn", MOEQ_FMT_RTN, takes_rtn, run_rtn, 1},
     {"bnb4_bf16", MOEQ_FMT_BNB4, BF16_ROW(takes_bnb4_bf16), run_bnb4_bf16, 0},
     {"bnb4", MOEQ_FMT_BNB4, takes_any, run_bnb4, 1},
+    {"iq2s", MOEQ_FMT_IQ2S, takes_any, run_iq2s, 1},
 };
 enum { NKERNELS = (int)(sizeof(KERNELS) / sizeof(KERNELS[0])) };
 #undef BF16_ROW

@@ -8,6 +8,7 @@
 //   bnb4: packed uint8 [n/2] (even element in the HIGH nibble), absmax fp32 per block of `bs` elements
 //   int8: w int8 [N, K], scb fp32 [N]
 //   fp8:  q uint8 e4m3 [N, K], s fp32 [ceil(N/bn), ceil(K/bk)] (one scale per tile)
+//   iq2s: ggml's block_iq2_s [N, K/256 * 82] (iq2s.c)
 #ifndef MOEQ_H
 #define MOEQ_H
 #include <math.h>
@@ -267,7 +268,7 @@ static inline void x_to_i16_32(const float* x, i64 K, int split, int16_t* xq, fl
 }
 
 // The packed-weight formats the fused kernels take (mirrored by moeq.native.Fmt).
-enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1, MOEQ_FMT_FP8 = 2 };
+enum moeq_fmt { MOEQ_FMT_RTN = 0, MOEQ_FMT_BNB4 = 1, MOEQ_FMT_FP8 = 2, MOEQ_FMT_IQ2S = 3 };
 
 #define MOEQ_MAX_KERNELS 8
 
@@ -276,7 +277,8 @@ typedef struct {
     int fmt;                     // enum moeq_fmt
     int dot_bf16;                // RTN 4/8-bit: round activations to bf16 (AVX512-BF16 dot products)
     const uint8_t* q;            // RTN qdata [E, N, K*bits/8]; bnb4 packed [S, n/2]
-    const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant)
+    const void* scale;           // RTN scale [E, N, G]; bnb4 absmax [S, nb] (fp32, or uint8 with double quant);
+                                 // iq2s: ggml's iq2s_grid, uint8 [1024, 8] (q: blocks [E, N, K/256 * 82])
     int scale_bf16;              // RTN: the scale kind (load_scale): 0 fp32, 1 bf16, 2 int8 codes x scale_super, 3 E8M0
     int absmax_u8;               // bnb4: absmax holds uint8 codes (double quant: nested_* resolve them)
     const uint8_t* zero;         // RTN zero points [E, N, G] or NULL
