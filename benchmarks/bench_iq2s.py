@@ -1,7 +1,8 @@
-"""IQ2_S against the other 2- and 4-bit rows at one expert's shape (Qwen3-30B-A3B: gate+up 1536 x 2048, down
-2048 x 768), weights from memory (a set of experts larger than the L3 cycled through): Gweights/s and GB/s of the
-native GEMV at 1 and 4 rows beside the read probe, all in one run; and quantize speed of moeq's IQ2_S search (bf16
-GB/s) beside ``nl2``'s. Results: ``benchmarks/results/iq2s_speed.json``.
+"""IQ2_S against the other 2- and 4-bit rows at Qwen3-30B-A3B's expert shapes, eight experts' rows as one weight per
+call (gate+up 8 x 1536 x 2048, down 8 x 2048 x 768: the work of a decode step's routed experts, each call long enough
+that the call overhead is noise), weights from memory (more of them than the L3 holds, cycled through): Gweights/s and
+GB/s of the native GEMV (``moeq.kernels.linear``) at 1 and 4 rows beside the read probe, all in one run; and quantize
+speed (bf16 GB/s). Results: ``benchmarks/results/iq2s_speed.json``.
 
     python benchmarks/bench_iq2s.py --out benchmarks/results/iq2s_speed.json
 """
@@ -17,7 +18,7 @@ from moeq.config import METHODS
 from moeq.io.writer import write_json
 from moeq.kernels import linear
 
-SHAPES = {"w13": (1536, 2048), "w2": (2048, 768)}
+SHAPES = {"w13": (8 * 1536, 2048), "w2": (8 * 2048, 768)}
 
 
 def gemv_rate(ws: list, k: int, rows: int, reps: int) -> float:
@@ -36,7 +37,7 @@ def gemv_rate(ws: list, k: int, rows: int, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--experts", type=int, default=96, help="experts cycled through (> L3)")
+    ap.add_argument("--weights", type=int, default=24, help="weights cycled through (more than the L3 holds)")
     ap.add_argument("--methods", nargs="*", default=["iq2s", "nl2", "q4_0"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -50,7 +51,7 @@ def main() -> None:
             q = METHODS[name].quantize(src, importance=torch.ones(k) if name == "iq2s" else None)
             qsecs = time.perf_counter() - t
             ws = [q] + [type(q)(**{f: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                   for f, v in vars(q).items()}) for _ in range(args.experts - 1)]
+                                   for f, v in vars(q).items()}) for _ in range(args.weights - 1)]
             for rows in (1, 4):
                 rate = gemv_rate(ws, k, rows, args.reps)
                 out["rows"].append({"method": name, "weight": kind, "shape": [n, k], "rows": rows,
