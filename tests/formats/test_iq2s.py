@@ -131,6 +131,9 @@ def test_gemv_against_the_reference(rows):
     want = x @ w.dequantize_reference(torch.float32).T + bias
     assert y is not None and y.shape == (rows, 40)
     assert (y - want).norm() <= 2.0 ** -6 * want.norm()
+    x[-1, 300] = float("nan")  # a non-finite activation reaches its row's outputs (it is not rounded away)
+    y = iq2s_gemv(w, x, None, max_rows=8)
+    assert torch.isnan(y[-1]).all() and (rows == 1 or torch.isfinite(y[:-1]).all())
 
 
 def test_validation_names_the_tensor_and_the_problem():

@@ -135,7 +135,8 @@ def test_matrix_under_asan(tmp_path):
     allocation fails it with ASan's report (it caught the il16 dequantizer writing fp32 into an fp16 buffer)."""
     env = dict(os.environ, MOEQ_NATIVE_SANITIZE="address", LD_PRELOAD=_libasan(), XDG_CACHE_HOME=str(tmp_path),
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86", PYTHONMALLOC="malloc")
-    cases = [f"{__file__}::test_matrix[{m}]" for m in ASAN_METHODS]
+    iq2s = os.path.join(os.path.dirname(os.path.dirname(__file__)), "formats", "test_iq2s.py")
+    cases = [f"{__file__}::test_matrix[{m}]" for m in ASAN_METHODS] + [iq2s]  # IQ2_S needs K % 256: its own file
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", *cases],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])

@@ -318,9 +318,13 @@ int moeq_iq2s_gemv(const float* x, i64 M, const uint8_t* blocks, i64 N, i64 K, c
     for (i64 t = 0; t < M * nb; t++) {
         const float* xb = x + t * Q2_QK;
         float amax = 0.f;
-        for (int i = 0; i < Q2_QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
-        sx[t] = amax / 127.f;
+        int finite = 1;
+        for (int i = 0; i < Q2_QK; i++) {
+            amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            finite &= isfinite(xb[i]) != 0;
+        }
+        const float id = finite && amax > 0.f ? 127.f / amax : 0.f;
+        sx[t] = finite ? amax / 127.f : NAN;  // a non-finite activation makes its rows' outputs NaN, never drops out
         for (int i = 0; i < Q2_QK; i++) xq[t * Q2_QK + i] = (int8_t)lrintf(xb[i] * id);
     }
 #pragma omp parallel for schedule(static)
