@@ -44,6 +44,22 @@ static inline int q2_scale(const uint8_t* b, int s) { return (b[74 + s / 2] >> (
 static void q2_pq(const float* a, const float* w, const float* GT, const float* G2T, float* P2, float* Q) {
     float wa[8];
     for (int i = 0; i < 8; i++) wa[i] = 2.f * w[i] * a[i];
+#if defined(__AVX512F__)
+    for (int j = 0; j < Q2_NG; j += 32) {  // two independent 16-wide sums of 8 terms each (in registers)
+        __m512 p0 = _mm512_setzero_ps(), p1 = p0, q0 = p0, q1 = p0;
+        for (int i = 0; i < 8; i++) {
+            const __m512 vwa = _mm512_set1_ps(wa[i]), vw = _mm512_set1_ps(w[i]);
+            p0 = _mm512_fmadd_ps(vwa, _mm512_loadu_ps(GT + i * Q2_NG + j), p0);
+            p1 = _mm512_fmadd_ps(vwa, _mm512_loadu_ps(GT + i * Q2_NG + j + 16), p1);
+            q0 = _mm512_fmadd_ps(vw, _mm512_loadu_ps(G2T + i * Q2_NG + j), q0);
+            q1 = _mm512_fmadd_ps(vw, _mm512_loadu_ps(G2T + i * Q2_NG + j + 16), q1);
+        }
+        _mm512_storeu_ps(P2 + j, p0);
+        _mm512_storeu_ps(P2 + j + 16, p1);
+        _mm512_storeu_ps(Q + j, q0);
+        _mm512_storeu_ps(Q + j + 16, q1);
+    }
+#else
     for (int j = 0; j < Q2_NG; j++) { P2[j] = 0.f; Q[j] = 0.f; }
     for (int i = 0; i < 8; i++) {
         const float* g = GT + i * Q2_NG;
@@ -53,26 +69,42 @@ static void q2_pq(const float* a, const float* w, const float* GT, const float* 
             Q[j] += w[i] * g2[j];
         }
     }
+#endif
 }
 
 // The point of least weighted error at scale c > 0 (the first one on ties); *cost = c Q[j] - P2[j].
 static inline int q2_best(const float* P2, const float* Q, float c, float* cost) {
 #if defined(__AVX512F__)
+    // four independent running minima (the compare-and-keep chain is latency-bound), merged at the end: the least
+    // value, and among its lanes the least index — the first minimum, as the scalar loop
     const __m512 vc = _mm512_set1_ps(c);
-    __m512 best = _mm512_set1_ps(INFINITY);
-    __m512i bi = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    for (int j = 0; j < Q2_NG; j += 16) {
-        const __m512 v = _mm512_fmsub_ps(vc, _mm512_loadu_ps(Q + j), _mm512_loadu_ps(P2 + j));
-        const __mmask16 lt = _mm512_cmp_ps_mask(v, best, _CMP_LT_OQ);
-        best = _mm512_mask_mov_ps(best, lt, v);
-        bi = _mm512_mask_mov_epi32(bi, lt, idx);
-        idx = _mm512_add_epi32(idx, step);
+    __m512 best[4];
+    __m512i bi[4], idx[4];
+    for (int u = 0; u < 4; u++) {
+        best[u] = _mm512_set1_ps(INFINITY);
+        bi[u] = _mm512_setzero_si512();
+        idx[u] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  _mm512_set1_epi32(16 * u));
     }
-    const float m = _mm512_reduce_min_ps(best);
-    const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    const __m512i step = _mm512_set1_epi32(64);
+    for (int j = 0; j < Q2_NG; j += 64) {
+        for (int u = 0; u < 4; u++) {
+            const __m512 v = _mm512_fmsub_ps(vc, _mm512_loadu_ps(Q + j + 16 * u), _mm512_loadu_ps(P2 + j + 16 * u));
+            const __mmask16 lt = _mm512_cmp_ps_mask(v, best[u], _CMP_LT_OQ);
+            best[u] = _mm512_mask_mov_ps(best[u], lt, v);
+            bi[u] = _mm512_mask_mov_epi32(bi[u], lt, idx[u]);
+            idx[u] = _mm512_add_epi32(idx[u], step);
+        }
+    }
+    const __m512 b01 = _mm512_min_ps(best[0], best[1]), b23 = _mm512_min_ps(best[2], best[3]);
+    const float m = _mm512_reduce_min_ps(_mm512_min_ps(b01, b23));
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512i pick = _mm512_set1_epi32(Q2_NG);
+    for (int u = 0; u < 4; u++)
+        pick = _mm512_min_epi32(pick, _mm512_mask_mov_epi32(_mm512_set1_epi32(Q2_NG),
+                                                            _mm512_cmp_ps_mask(best[u], vm, _CMP_EQ_OQ), bi[u]));
     *cost = m;
-    return _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(_mm512_set1_epi32(Q2_NG), eq, bi)) % Q2_NG;
+    return _mm512_reduce_min_epi32(pick) % Q2_NG;
 #else
     float m = INFINITY;
     int b = 0;
@@ -133,6 +165,7 @@ static void q2_quantize_block(const float* x, const float* imp, int mse, const f
     for (int i = 0; i < Q2_QK; i++) w[i] += floor_w;
     for (int g = 0; g < 32; g++) q2_pq(a + 8 * g, w + 8 * g, GT, G2T, W->P2[g], W->Q[g]);
     // each sub-block's best unrounded scale: a scan of candidate scales, least-squares refit of each candidate's points
+    // (every third candidate and the two beside the best measured 1% more KL on the fixture, for 2x the speed)
     float cls[16], cmax = 0.f;
     for (int s = 0; s < 16; s++) {
         float amax = 0.f;
