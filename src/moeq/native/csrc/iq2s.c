@@ -286,7 +286,8 @@ void moeq_iq2s_dequant(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* gr
 // ------------------------------------------------------------------------------------------------------ gemv
 // y[M, N] = x[M, K] @ dequant(W)^T. AVX512-VNNI: x quantized to int8 per 256 (scale amax/127, as llama.cpp's q8_K);
 // per 64 weights the 8 grid points gathered by index, x's bytes sign-flipped by the 64 sign bits (a mask), pair sums
-// by vpmaddubsw and each times its sub-block's 2l+1 by vpdpwssd: exact int32 sums per block, scaled once in fp32. Elsewhere (or without memory for the int8 copy) fp32 throughout. Always returns 1.
+// by vpmaddubsw and each times its sub-block's 2l+1 by vpdpwssd: exact int32 sums per block, scaled once in fp32.
+// AVX2: the same numerics 32 weights at a time (q2_row_avx2). Elsewhere (or without memory for the int8 copy) fp32 throughout. Always returns 1.
 #define Q2_ROWS 4
 #define Q2_PF 6144  // bytes prefetched ahead in a row's blocks (1536: 19-20 Gweights/s, 6144: 22, 12288: 18-20; SPR, 2 threads)
 
@@ -338,9 +339,66 @@ static inline __attribute__((always_inline)) void q2_row_vnni(const uint8_t* row
 }
 #endif
 
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#define Q2_INT8 1
+// q2_row_vnni's AVX2 form: 32 weights at a time (four grid points gathered), the 32 sign bits expanded to a byte mask
+// that negates x's bytes, vpmaddubsw pair sums times each sub-block's 2l+1 by vpmaddwd (exact int32 sums per block).
+static inline __attribute__((always_inline)) void q2_row_avx2(const uint8_t* row, i64 nb, const uint8_t* grid,
+                                                              const int8_t* xq, const float* sx, i64 m0, const int R,
+                                                              i64 N, float* y) {
+    const long long* g64 = (const long long*)grid;
+    const __m256i shifts = _mm256_setr_epi64x(0, 2, 4, 6), three = _mm256_set1_epi64x(3);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                            3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256 acc[Q2_ROWS];
+    for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();
+    for (i64 b = 0; b < nb; b++) {
+        const uint8_t* bl = row + b * Q2_BYTES;
+        _mm_prefetch((const char*)bl + Q2_PF, _MM_HINT_T0);
+        _mm_prefetch((const char*)bl + Q2_PF + 64, _MM_HINT_T0);
+        const float d = q2_h2f((uint16_t)(bl[0] | (bl[1] << 8)));
+        __m256i sum[Q2_ROWS];
+        for (int m = 0; m < R; m++) sum[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {  // 32 weights: groups 4c .. 4c+3, sub-blocks 2c, 2c+1
+            uint32_t lo4, s4;
+            memcpy(&lo4, bl + 2 + 4 * c, 4);
+            memcpy(&s4, bl + 34 + 4 * c, 4);
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(bl[66 + c]), shifts), three);
+            const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)lo4)),
+                                                _mm256_slli_epi64(hi, 8));
+            const __m256i w = _mm256_i64gather_epi64(g64, idx, 8);
+            const __m256i neg = _mm256_cmpeq_epi8(
+                _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)s4), spread), bit), bit);
+            const uint8_t sl = bl[74 + c];
+            const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * (sl & 15) + 1)),
+                                                 _mm_set1_epi16((short)(2 * (sl >> 4) + 1)));
+            for (int m = 0; m < R; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + ((m0 + m) * nb + b) * Q2_QK + 32 * c));
+                const __m256i xs = _mm256_sub_epi8(_mm256_xor_si256(xv, neg), neg);
+                sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xs), sc));
+            }
+        }
+        for (int m = 0; m < R; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_set1_ps(d * 0.125f * sx[(m0 + m) * nb + b]),
+                                     acc[m]);
+    }
+    for (int m = 0; m < R; m++) {
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        y[(m0 + m) * N] = _mm_cvtss_f32(v);
+    }
+}
+#define q2_row_int8 q2_row_avx2
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q2_INT8 1
+#define q2_row_int8 q2_row_vnni
+#endif
+
 int moeq_iq2s_gemv(const float* x, i64 M, const uint8_t* blocks, i64 N, i64 K, const uint8_t* grid, float* y) {
     const i64 nb = K / Q2_QK;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(Q2_INT8)
     int8_t* xq = (int8_t*)aligned_alloc(64, (size_t)(M * K + 64));
     float* sx = (float*)malloc(sizeof(float) * (size_t)(M * nb + 1));
     if (!xq || !sx) {  // no memory for the int8 activations: the fp32 rows below (the same products, unrounded)
@@ -364,11 +422,11 @@ int moeq_iq2s_gemv(const float* x, i64 M, const uint8_t* blocks, i64 N, i64 K, c
     for (i64 n = 0; n < N; n++) {
         const uint8_t* row = blocks + n * nb * Q2_BYTES;
         i64 m0 = 0;
-        for (; m0 + Q2_ROWS <= M; m0 += Q2_ROWS) q2_row_vnni(row, nb, grid, xq, sx, m0, Q2_ROWS, N, y + n);
+        for (; m0 + Q2_ROWS <= M; m0 += Q2_ROWS) q2_row_int8(row, nb, grid, xq, sx, m0, Q2_ROWS, N, y + n);
         switch (M - m0) {  // the rest, each count a constant (its sums in registers)
-            case 1: q2_row_vnni(row, nb, grid, xq, sx, m0, 1, N, y + n); break;
-            case 2: q2_row_vnni(row, nb, grid, xq, sx, m0, 2, N, y + n); break;
-            case 3: q2_row_vnni(row, nb, grid, xq, sx, m0, 3, N, y + n); break;
+            case 1: q2_row_int8(row, nb, grid, xq, sx, m0, 1, N, y + n); break;
+            case 2: q2_row_int8(row, nb, grid, xq, sx, m0, 2, N, y + n); break;
+            case 3: q2_row_int8(row, nb, grid, xq, sx, m0, 3, N, y + n); break;
             default: break;
         }
     }
