@@ -5,6 +5,7 @@ GB/s of the native GEMV (``moeq.kernels.linear``) at 1 and 4 rows beside the rea
 speed (bf16 GB/s). Results: ``benchmarks/results/iq2s_speed.json``.
 
     python benchmarks/bench_iq2s.py --out benchmarks/results/iq2s_speed.json
+    MOEQ_NATIVE_MARCH=x86-64-v3 python benchmarks/bench_iq2s.py --out benchmarks/results/iq2s_speed_avx2.json
 """
 from __future__ import annotations
 

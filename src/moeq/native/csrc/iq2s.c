@@ -59,6 +59,21 @@ static void q2_pq(const float* a, const float* w, const float* GT, const float* 
         _mm512_storeu_ps(Q + j, q0);
         _mm512_storeu_ps(Q + j + 16, q1);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int j = 0; j < Q2_NG; j += 16) {
+        __m256 p0 = _mm256_setzero_ps(), p1 = p0, q0 = p0, q1 = p0;
+        for (int i = 0; i < 8; i++) {
+            const __m256 vwa = _mm256_set1_ps(wa[i]), vw = _mm256_set1_ps(w[i]);
+            p0 = _mm256_fmadd_ps(vwa, _mm256_loadu_ps(GT + i * Q2_NG + j), p0);
+            p1 = _mm256_fmadd_ps(vwa, _mm256_loadu_ps(GT + i * Q2_NG + j + 8), p1);
+            q0 = _mm256_fmadd_ps(vw, _mm256_loadu_ps(G2T + i * Q2_NG + j), q0);
+            q1 = _mm256_fmadd_ps(vw, _mm256_loadu_ps(G2T + i * Q2_NG + j + 8), q1);
+        }
+        _mm256_storeu_ps(P2 + j, p0);
+        _mm256_storeu_ps(P2 + j + 8, p1);
+        _mm256_storeu_ps(Q + j, q0);
+        _mm256_storeu_ps(Q + j + 8, q1);
+    }
 #else
     for (int j = 0; j < Q2_NG; j++) { P2[j] = 0.f; Q[j] = 0.f; }
     for (int i = 0; i < 8; i++) {
@@ -105,6 +120,37 @@ static inline int q2_best(const float* P2, const float* Q, float c, float* cost)
                                                             _mm512_cmp_ps_mask(best[u], vm, _CMP_EQ_OQ), bi[u]));
     *cost = m;
     return _mm512_reduce_min_epi32(pick) % Q2_NG;
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vc = _mm256_set1_ps(c);
+    __m256 best[4];
+    __m256i bi[4], idx[4];
+    for (int u = 0; u < 4; u++) {
+        best[u] = _mm256_set1_ps(INFINITY);
+        bi[u] = _mm256_setzero_si256();
+        idx[u] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * u));
+    }
+    const __m256i step = _mm256_set1_epi32(32);
+    for (int j = 0; j < Q2_NG; j += 32) {
+        for (int u = 0; u < 4; u++) {
+            const __m256 v = _mm256_fmsub_ps(vc, _mm256_loadu_ps(Q + j + 8 * u), _mm256_loadu_ps(P2 + j + 8 * u));
+            const __m256 lt = _mm256_cmp_ps(v, best[u], _CMP_LT_OQ);
+            best[u] = _mm256_blendv_ps(best[u], v, lt);
+            bi[u] = _mm256_blendv_epi8(bi[u], idx[u], _mm256_castps_si256(lt));
+            idx[u] = _mm256_add_epi32(idx[u], step);
+        }
+    }
+    float bv[32];
+    int32_t bx[32];
+    for (int u = 0; u < 4; u++) {
+        _mm256_storeu_ps(bv + 8 * u, best[u]);
+        _mm256_storeu_si256((__m256i*)(bx + 8 * u), bi[u]);
+    }
+    float m = INFINITY;
+    int b = Q2_NG;
+    for (int l = 0; l < 32; l++)
+        if (bv[l] < m || (bv[l] == m && bx[l] < b)) { m = bv[l]; b = bx[l]; }
+    *cost = m;
+    return b % Q2_NG;
 #else
     float m = INFINITY;
     int b = 0;
