@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeq import native
-from moeq.config import BNB4, FP8, RTN
+from moeq.config import BNB4, FP8, IQ2S, RTN
 from moeq.kernels import moe_cpu
 
 pytestmark = pytest.mark.skipif(not native.has_dpbf16(), reason="the grouped GEMM needs AVX512-BF16 (others keep "
@@ -20,7 +20,9 @@ CONFIGS = [RTN(4, 32), RTN(4, 128), RTN(4, 64, symmetric=False), RTN(4, 32, grid
            RTN(4, 16, grid="iq4nl"), RTN(5, 32, grid="signed"), RTN(3, 16, grid="nl3", double_quant=True), RTN(2, 16, grid="nl2", double_quant=True),
            # FP8 e4m3 tiles: DeepSeek's 128x128, tiles a 16-row weight tile straddles, and a width the vector
            # conversion does not take (40: the scalar path) with partial edge tiles
-           FP8((128, 128)), FP8((24, 32)), FP8((48, 40))]
+           FP8((128, 128)), FP8((24, 32)), FP8((48, 40)),
+           # llama.cpp's IQ2_S blocks (a lattice point per 8 weights, signs, 4-bit sub-block scales)
+           IQ2S()]
 
 
 @pytest.fixture(params=["avx512-bf16", "amx"])
@@ -34,8 +36,10 @@ def products(request):
     L.moeq_set_amx(1)
 
 
-def _module(cfg, e=8, h=256, i=128, seed=0):
+def _module(cfg, e=8, h=256, i=None, seed=0):
     from moeq.nn import Activation, QuantExperts
+
+    i = i or (256 if isinstance(cfg, IQ2S) else 128)  # IQ2_S blocks: both widths multiples of 256
 
     g = torch.Generator().manual_seed(seed)
     gu, dn = torch.randn(e, 2 * i, h, generator=g) * 0.05, torch.randn(e, h, i, generator=g) * 0.05
@@ -124,7 +128,8 @@ def test_prefill_gemm_declines_outside_its_domain():
     assert moe_cpu.moe_prefill(mod, x, tok, wt, counts) is not None
 
 
-@pytest.mark.parametrize("cfg", [RTN(4, 32), RTN(8, 64), RTN(4, 32, grid="iq4nl", double_quant=True), FP8((128, 128))],
+@pytest.mark.parametrize("cfg", [RTN(4, 32), RTN(8, 64), RTN(4, 32, grid="iq4nl", double_quant=True), FP8((128, 128)),
+                                 IQ2S()],
                          ids=lambda c: c.label())
 def test_amx_products_match_avx512(cfg):
     """The tile unit computes the same products as the AVX512-BF16 dot products (fp32 sums in another order), for

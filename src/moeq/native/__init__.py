@@ -148,6 +148,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     # iq2s.c
     "moeq_iq2s_quantize": (None, [_P, _I, _I, _P, _INT, _P, _P]),
     "moeq_iq2s_dequant": (None, [_P, _I, _I, _P, _P, _INT]),
+    "moeq_iq2s_rows_bf16": (None, [_P, _I, _I, _P, _P]),
     "moeq_iq2s_gemv": (_INT, [_P, _I, _P, _I, _I, _P, _P]),
     "moeq_ggml_unpack": (None, [_P, _I, _INT, _INT, _P, _P]),
     # gemv.c

@@ -138,11 +138,20 @@ static void dequant_tile_fp8(const moeq_wstack* w, i64 e, i64 n0, uint16_t* dst)
     }
 }
 
+// Bytes of one weight row of w as stored (IQ2_S: 82 per 256 weights; FP8: one per weight; else packed codes).
+static inline i64 row_bytes(const moeq_wstack* w) {
+    return w->fmt == MOEQ_FMT_IQ2S ? w->K / 256 * 82 : packed_row_bytes(w->bits, w->K);
+}
+
 // The dequantized tile of expert e's rows n0..n0+TILE_R (bf16 [TILE_R][K], in perm4's K order when perm4). stage:
 // room for one block's codes and scales in row-major order (il16 stacks are unpacked into it first).
 static void dequant_tile(const moeq_wstack* w, int perm4, i64 e, i64 n0, uint16_t* dst, uint8_t* stage) {
     if (w->fmt == MOEQ_FMT_FP8) {
         dequant_tile_fp8(w, e, n0, dst);
+        return;
+    }
+    if (w->fmt == MOEQ_FMT_IQ2S) {  // the grid travels in w->scale
+        moeq_iq2s_rows_bf16(w->q + (e * w->N + n0) * row_bytes(w), TILE_R, w->K, (const uint8_t*)w->scale, dst);
         return;
     }
     const i64 N = w->N, K = w->K, G = K / w->gs, rowb = packed_row_bytes(w->bits, K), ss = scale_size(w->scale_bf16);
@@ -196,7 +205,7 @@ static inline __attribute__((always_inline)) void tile_dot(const uint16_t* w, i6
 static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y, uint16_t* wt,
                         uint8_t* stage) {
     const i64 N = w->N, K = w->K;
-    const i64 rowb = packed_row_bytes(w->bits, K), tileb = TILE_R * rowb;
+    const i64 rowb = row_bytes(w), tileb = TILE_R * rowb;
     const char* codes = (const char*)w->q + e * N * rowb;
     for (i64 n0 = 0; n0 < N; n0 += TILE_R) {
         dequant_tile(w, perm4, e, n0, wt, stage);
@@ -227,7 +236,7 @@ static void expert_gemm(const moeq_wstack* w, int perm4, i64 e, const uint32_t* 
 static void expert_gemm_amx(const moeq_wstack* w, int perm4, i64 e, const uint32_t* xt, i64 Pp, float* y,
                             uint16_t* wt, uint8_t* stage) {
     const i64 N = w->N, K = w->K;
-    const i64 rowb = packed_row_bytes(w->bits, K), tileb = TILE_R * rowb;
+    const i64 rowb = row_bytes(w), tileb = TILE_R * rowb;
     const char* codes = (const char*)w->q + e * N * rowb;
     for (i64 n0 = 0; n0 < N; n0 += 2 * TILE_R) {
         const int two = n0 + 2 * TILE_R <= N;
@@ -309,11 +318,12 @@ static void expert_pass(const moeq_wstack* w13, const moeq_wstack* w2, i64 e, co
 #endif
 
 // Whether the prompt GEMM takes w on this build: AVX512-BF16, RTN 4/8-bit and the 2-5-bit codebook grids (row-major
-// or il16; K even, whole groups) and FP8 e4m3 tiles (any tile shape, K even), N % TILE_R == 0 (moeq_wstack_plan
+// or il16; K even, whole groups), FP8 e4m3 tiles (any tile shape, K even) and IQ2_S blocks, N % TILE_R == 0 (moeq_wstack_plan
 // records it as MOEQ_LAYER_GEMM).
 int moeq_gemm_takes(const moeq_wstack* w) {
 #if defined(__AVX512BF16__)
     if (w->fmt == MOEQ_FMT_FP8) return w->K % 2 == 0 && w->gs > 0 && w->bn > 0 && w->N % TILE_R == 0;
+    if (w->fmt == MOEQ_FMT_IQ2S) return w->K % 256 == 0 && w->N % TILE_R == 0;
     return w->fmt == MOEQ_FMT_RTN && (w->values ? w->bits >= 2 && w->bits <= 5 : w->bits == 4 || w->bits == 8) &&
            w->K % 2 == 0 && w->gs > 0 && w->K % w->gs == 0 && w->N % TILE_R == 0;
 #else

@@ -329,6 +329,39 @@ void moeq_iq2s_dequant(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* gr
     }
 }
 
+// rows x K weights as bf16 [rows][K] on the calling thread (the prompt GEMM's tiles, gemm.c): the values of
+// moeq_iq2s_dequant(..., bf16 = 1), rounded the same way (fp32 product, round to nearest even).
+void moeq_iq2s_rows_bf16(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* grid, uint16_t* out) {
+    const i64 n = rows * (K / Q2_QK);
+    for (i64 t = 0; t < n; t++) {
+        const uint8_t* b = blocks + t * Q2_BYTES;
+        const float d = q2_h2f((uint16_t)(b[0] | (b[1] << 8)));
+        uint16_t* o = out + t * Q2_QK;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        const __m512i sgn = _mm512_set1_epi32((int)0x80000000u);
+        for (int g = 0; g < 32; g += 2) {  // two groups of 8 (one sub-block scale) per step
+            const float db = d * (0.5f + (float)q2_scale(b, g / 2)) * 0.25f;
+            const __m128i pts = _mm_set_epi64x(*(const long long*)(grid + 8 * q2_index(b, g + 1)),
+                                               *(const long long*)(grid + 8 * q2_index(b, g)));
+            const __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pts)), _mm512_set1_ps(db));
+            const __mmask16 neg = (__mmask16)(b[34 + g] | (b[35 + g] << 8));
+            const __m512 v = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(y), neg,
+                                                                      _mm512_castps_si512(y), sgn));
+            _mm256_storeu_si256((__m256i*)(o + 8 * g), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+#else
+        for (int g = 0; g < 32; g++) {
+            const float db = d * (0.5f + (float)q2_scale(b, g / 2)) * 0.25f;
+            const uint8_t* gp = grid + 8 * q2_index(b, g);
+            for (int i = 0; i < 8; i++) {
+                const float y = db * (float)gp[i];
+                o[8 * g + i] = f2bf((b[34 + g] >> i) & 1 ? -y : y);
+            }
+        }
+#endif
+    }
+}
+
 // ------------------------------------------------------------------------------------------------------ gemv
 // y[M, N] = x[M, K] @ dequant(W)^T. AVX512-VNNI: x quantized to int8 per 256 (scale amax/127, as llama.cpp's q8_K);
 // per 64 weights the 8 grid points gathered by index, x's bytes sign-flipped by the 64 sign bits (a mask), pair sums

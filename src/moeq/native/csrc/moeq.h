@@ -364,6 +364,7 @@ void moeq_int8_gemv(const float* x, i64 M, const int8_t* w, const float* scb, i6
 // ---- iq2s.c ----
 void moeq_iq2s_quantize(const float* x, i64 rows, i64 K, const float* imp, int mse, const uint8_t* grid, uint8_t* out);
 void moeq_iq2s_dequant(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* grid, void* out, int bf16);
+void moeq_iq2s_rows_bf16(const uint8_t* blocks, i64 rows, i64 K, const uint8_t* grid, uint16_t* out);
 int moeq_iq2s_gemv(const float* x, i64 M, const uint8_t* blocks, i64 N, i64 K, const uint8_t* grid, float* y);
 // ---- fp8.c ----
 void moeq_fp8_gemv(const float* x, i64 M, const uint8_t* q, const float* s, i64 N, i64 K, i64 bn, i64 bk, float* y);
