@@ -41,10 +41,14 @@ from moeq.bench import cpu_summary
 from moeq.config import BNB4, FP4, IQ2S, METHODS, NF4, RTN, Int8, QuantConfig, presets
 from moeq.errors import MoeqError
 from moeq.eval import DECODE_CHUNK, evaluate_many, tokenize
+from moeq.importance import INPUT_TEXT, INPUTS
 from moeq.io.writer import write_json
 
 HERE = Path(__file__).parent
 DATA = HERE.parent.parent / "shared" / "data"
+# ``:moeq-imatrix`` (uniformly random token ids), ``:moeq-imatrix-self`` (text the model samples itself)
+MOEQ_IMATRIX = {"moeq-imatrix": "random", "moeq-imatrix-self": "self"}
+IMPORTANCE_LABEL = {"random": "", "self": " (self-sampled)"}
 MOEQ_IMATRIX_TOKENS = 8192  # ``:moeq-imatrix``: moeq's data-free statistic (moeq imatrix), as its importance= loads
 sys.path.insert(0, str(HERE))
 import llamacpp  # noqa: E402
@@ -174,9 +178,11 @@ def bf16_gguf(model_dir: str, out: Path) -> Path:
 def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: Path, label: str = "",
                     imatrix_chunks: int = 200) -> tuple[dict, dict, dict]:
     """llama.cpp's types on the same fixture (see the module docstring): models, rows, and what was checked about
-    the conversion. A spec is ``TYPE[:pure][:imatrix|:moeq-imatrix][:experts]``; the importance matrix (computed once
-    per model, by ``llama-imatrix`` on :func:`calibration_text`) is what the Hub's GGUF uploaders use;
-    ``moeq-imatrix`` is moeq's data-free one (``moeq imatrix``: random token ids, no text)."""
+    the conversion. A spec is ``TYPE[:pure][:imatrix|:moeq-imatrix|:moeq-imatrix-self][:experts]``; the importance
+    matrix (computed once per model, by ``llama-imatrix`` on :func:`calibration_text`) is what the Hub's GGUF
+    uploaders use;
+    ``moeq-imatrix`` is moeq's data-free one (``moeq imatrix``) on random token ids, ``moeq-imatrix-self`` on text
+    the model samples itself (no text either way)."""
     exe = llamacpp.find_tool("llama-quantize")
     if exe is None:
         print("skipping llama.cpp rows: llama-quantize not found (build steps in benchmarks/llamacpp.py)")
@@ -206,28 +212,33 @@ def llamacpp_models(model_dir: str, specs: list[str], dtype: torch.dtype, work: 
                                        "from the scored last 10%)",
                                "chunks": imatrix_chunks, "ctx": 512, "tokens": imatrix_chunks * 512,
                                "seconds": time.perf_counter() - t0}
-    free = None
-    if any("moeq-imatrix" in s.split(":")[1:] for s in specs):  # moeq's data-free statistic as llama.cpp's imatrix
+    free = {}
+    for opt, inputs in MOEQ_IMATRIX.items():  # moeq's data-free statistic as llama.cpp's imatrix
+        if not any(opt in s.split(":")[1:] for s in specs):
+            continue
         from moeq.loader import imatrix  # noqa: PLC0415
 
-        free = work / "moeq.imatrix.gguf"
+        free[opt] = work / f"{opt}.gguf"
         t0 = time.perf_counter()
-        imatrix(model_dir, free, tokens=MOEQ_IMATRIX_TOKENS, progress=False, overwrite=free.exists())
-        info["moeq_imatrix"] = {"text": "none: uniformly random token ids (moeq imatrix)",
-                                "tokens": MOEQ_IMATRIX_TOKENS, "seconds": time.perf_counter() - t0}
+        imatrix(model_dir, free[opt], tokens=MOEQ_IMATRIX_TOKENS, progress=False, overwrite=free[opt].exists(),
+                inputs=inputs)
+        info[opt.replace("-", "_")] = {"text": f"none: {INPUT_TEXT[inputs]} (moeq imatrix --importance-inputs "
+                                               f"{inputs})", "tokens": MOEQ_IMATRIX_TOKENS,
+                                       "seconds": time.perf_counter() - t0}
     models, rows = {}, {}
     for spec in specs:
         qtype, *opts = spec.split(":")
         pure, experts = "pure" in opts, "experts" in opts
-        weighted = "imatrix" if "imatrix" in opts else "moeq-imatrix" if "moeq-imatrix" in opts else None
+        weighted = next((o for o in ("imatrix", *MOEQ_IMATRIX) if o in opts), None)
         name = (f"{label}llama.cpp {qtype}" + (" experts, attention IQ4_NL, k/v Q8_0" if experts else
                                                " --pure" if pure else " (its mix)")
-                + {"imatrix": " +imatrix", "moeq-imatrix": " +moeq imatrix (no text)", None: ""}[weighted])
+                + {"imatrix": " +imatrix", "moeq-imatrix": " +moeq imatrix (no text)",
+                   "moeq-imatrix-self": " +moeq imatrix (self-sampled, no text)", None: ""}[weighted])
         t0 = time.perf_counter()
-        tag = {"imatrix": "-imat", "moeq-imatrix": "-mimat", None: ""}[weighted]
+        tag = {"imatrix": "-imat", "moeq-imatrix": "-mimat", "moeq-imatrix-self": "-simat", None: ""}[weighted]
         out = llamacpp.quantize(exe, src, work / f"{qtype}{'-pure' if pure else ''}{tag}"
                                 f"{'-experts' if experts else ''}.gguf", qtype, pure,
-                                {"imatrix": imat, "moeq-imatrix": free, None: None}[weighted], experts)
+                                imat if weighted == "imatrix" else free.get(weighted), experts)
         secs = time.perf_counter() - t0
         bpw, types, params = llamacpp.bits_per_weight(out)
         models[name] = moeq.load(out, dtype=dtype, progress=False)
@@ -295,24 +306,30 @@ def main():
     ap.add_argument("--merge", action="store_true", help="update/append these rows in --out instead of rewriting")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="compute dtype of the reference and of every model")
-    ap.add_argument("--llamacpp", nargs="*", default=None, metavar="TYPE[:pure][:imatrix|:moeq-imatrix]",
+    ap.add_argument("--llamacpp", nargs="*", default=None,
+                    metavar="TYPE[:pure][:imatrix|:moeq-imatrix|:moeq-imatrix-self]",
                     help=f"llama.cpp rows (default {' '.join(LLAMACPP_TYPES)}; none when given without types); "
                          ":imatrix weights the type by llama-imatrix's importance matrix, :moeq-imatrix by moeq's "
-                         "data-free one (moeq imatrix, no text); :experts quantizes only the expert stacks to TYPE")
+                         "data-free one (moeq imatrix, no text) on random ids, :moeq-imatrix-self on self-sampled "
+                         "text; :experts quantizes only the expert stacks to TYPE")
     ap.add_argument("--imatrix-chunks", type=int, default=200, help="llama-imatrix windows of 512 tokens")
     ap.add_argument("--rotate", nargs="*", default=None, metavar="METHOD",
                     help="also score these methods (names of methods()) on the model rotated by moeq.rotate_ "
                          "(rotated in fp32, saved fp32): rows 'rotated: ...', with the rotated unquantized model")
-    ap.add_argument("--rotate-llamacpp", nargs="*", default=[], metavar="TYPE[:pure][:imatrix|:moeq-imatrix]",
+    ap.add_argument("--rotate-llamacpp", nargs="*", default=[],
+                    metavar="TYPE[:pure][:imatrix|:moeq-imatrix|:moeq-imatrix-self]",
                     help="llama.cpp types applied to the rotated model (its own BF16 GGUF and importance matrix)")
     ap.add_argument("--activations", nargs="*", default=None, metavar="METHOD",
                     help="also score these methods decode-shaped (DECODE_CHUNK tokens per forward over a KV cache), "
                          "with the default and with int8 activations (moeq.set_activations)")
     ap.add_argument("--importance", nargs="*", default=[], metavar="METHOD",
                     help="also score these methods (names of methods()) quantized with data-free importance "
-                         "(moeq.load(..., importance=TOKENS): statistics of uniformly random token ids): rows "
-                         "'METHOD +importance'")
+                         "(moeq.load(..., importance=TOKENS), on --importance-inputs)")
     ap.add_argument("--importance-tokens", type=int, default=8192)
+    ap.add_argument("--importance-inputs", nargs="+", choices=list(INPUTS), default=["random"],
+                    help="the --importance rows' inputs (moeq.load(importance_inputs=)): random token ids (rows "
+                         "'METHOD +importance'), text the model samples itself (rows 'METHOD +importance "
+                         "(self-sampled)')")
     ap.add_argument("--bpw", nargs="*", type=float, default=[], metavar="BITS",
                     help="also score data-free bit allocation (moeq.allocate: sensitivities measured once on the "
                          "reference model, each tensor's method chosen for each budget): rows 'moeq bpw BITS', and "
@@ -342,16 +359,16 @@ def main():
         models[name] = m
         rows[name] = _row(name, secs, info["quantized_bits_per_weight"], info["quantized_params"]) | {
             "experts_bits_per_weight": experts_bpw(info)}
-    for name in args.importance:
-        label = f"{name} +importance"
+    for name, inputs in ((n, i) for n in args.importance for i in args.importance_inputs):
+        label = f"{name} +importance{IMPORTANCE_LABEL[inputs]}"
         t0 = time.perf_counter()
         m = moeq.load(args.model, quant=methods()[name], dtype=dtype, progress=False,
-                      importance=args.importance_tokens)
-        secs = time.perf_counter() - t0  # both passes and the random-token forward
+                      importance=args.importance_tokens, importance_inputs=inputs)
+        secs = time.perf_counter() - t0  # both passes and the statistics' forward (and sampling)
         info = moeq.inspect(m)
         models[label] = m
         rows[label] = {**_row(label, secs, info["quantized_bits_per_weight"], info["quantized_params"]),
-                       "importance_tokens": args.importance_tokens}
+                       "importance_tokens": args.importance_tokens, "importance_inputs": inputs}
     if args.bpw:
         from moeq import allocate  # noqa: PLC0415
 

@@ -33,10 +33,11 @@ def test_imatrix_matches_the_export_and_the_statistic(tiny_ckpt, tmp_path, arch)
 
     src = tiny_ckpt(arch, **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))  # llama.cpp's graph
     out = tmp_path / "m.imatrix.gguf"
-    summary = imatrix(src, out, tokens=1024, seed=3, progress=False)
+    summary = imatrix(src, out, tokens=1024, seed=3, progress=False, inputs="random")
     _, kv, tensors = _read(out)
     assert _str(kv["general.type"]) == "imatrix"
-    assert _str(kv["imatrix.datasets"]).startswith("moeq data-free: 1024 uniformly random token ids, seed 3")
+    assert _str(kv["imatrix.datasets"]).startswith("moeq data-free: 1024 tokens of uniform random token ids, seed 3")
+    assert summary["inputs"] == "random"
     assert int(kv["imatrix.chunk_count"].parts[-1][0]) == 2 and int(kv["imatrix.chunk_size"].parts[-1][0]) == 512
     names = {n.removesuffix(".in_sum2") for n in tensors if n.endswith(".in_sum2")}
     assert names == {n.removesuffix(".counts") for n in tensors if n.endswith(".counts")}
@@ -60,7 +61,7 @@ def test_imatrix_matches_the_export_and_the_statistic(tiny_ckpt, tmp_path, arch)
 
     # the values: sums / counts is the statistic moeq measures (same seed, same first pass)
     first = moeq.load(src, imp.first_pass(10**6), progress=False)
-    stats = imp.collect(first, tokens=1024, seed=3, progress=False)
+    stats = imp.collect(first, tokens=1024, seed=3, progress=False, inputs="random")
     q = tensors["blk.0.attn_q.weight.in_sum2"].data[0] / tensors["blk.0.attn_q.weight.counts"].data[0, 0]
     torch.testing.assert_close(torch.from_numpy(q), stats.linear("model.layers.0.self_attn.q_proj"),
                                rtol=1e-5, atol=0)

@@ -31,7 +31,7 @@ def test_importance_weighs_the_search_toward_heavy_columns():
 
 def test_collect_measures_every_linear_and_each_expert(tiny_ckpt):
     m = moeq.load(tiny_ckpt("qwen3_moe"), "q4_0", progress=False)
-    stats = imp.collect(m, tokens=1024, progress=False)
+    stats = imp.collect(m, tokens=1024, progress=False, inputs="random")
     cfg = m.config
     layer = m.model.layers[0]
     q = stats.linear("model.layers.0.self_attn.q_proj")
@@ -47,7 +47,7 @@ def test_collect_measures_every_linear_and_each_expert(tiny_ckpt):
             m(rows, use_cache=False)
     hook.remove()
     xs = torch.cat([t.reshape(-1, cfg.hidden_size) for t in x["x"]])
-    part = imp.collect(m, tokens=2 * imp.SEQ, progress=False)
+    part = imp.collect(m, tokens=2 * imp.SEQ, progress=False, inputs="random")
     a, _ = part.experts["model.layers.0.mlp.experts"]
     torch.testing.assert_close(a.sum(0), cfg.num_experts_per_tok * (xs * xs).mean(0), rtol=1e-3, atol=1e-6)
     assert all(isinstance(mod, QuantExperts) for n, mod in m.named_modules() if n in stats.experts)
@@ -56,8 +56,8 @@ def test_collect_measures_every_linear_and_each_expert(tiny_ckpt):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_load_with_importance(tiny_ckpt, tmp_path, arch):
     src = tiny_ckpt(arch)
-    a = moeq.load(src, "iq4nl", importance=1024, progress=False)
-    b = moeq.load(src, "iq4nl", importance=1024, progress=False)
+    a = moeq.load(src, "iq4nl", importance=1024, progress=False, importance_inputs="random")
+    b = moeq.load(src, "iq4nl", importance=1024, progress=False, importance_inputs="random")
     plain = moeq.load(src, "iq4nl", progress=False)
     wa, wp = a.model.layers[0].mlp.experts.w13, plain.model.layers[0].mlp.experts.w13
     assert torch.equal(wa.qdata, b.model.layers[0].mlp.experts.w13.qdata)  # seeded: the same bytes every time
@@ -71,6 +71,42 @@ def test_load_with_importance(tiny_ckpt, tmp_path, arch):
         assert torch.equal(a(ids).logits, again(ids).logits)
 
 
+def test_sampled_inputs_are_the_models_own_text(tiny_ckpt):
+    """``inputs="self"``: each row from a seeded random first token, then tokens drawn from the model's own next-token
+    distribution (made peaked here): far likelier under the model than uniformly random ids; seeded."""
+    m = moeq.load(tiny_ckpt("qwen3_moe"), "q8_0", progress=False)
+    m.lm_head.register_forward_hook(lambda mod, args, out: out * 40)  # peaked: what it samples is far from uniform
+    ids = imp.sampled(m, 3, 64, seed=1, progress=False)
+    assert ids.shape == (3, 64) and ids.dtype == torch.int64
+    assert bool(((ids >= 0) & (ids < m.config.vocab_size)).all())
+    assert torch.equal(ids, imp.sampled(m, 3, 64, seed=1, progress=False))
+    assert not torch.equal(ids, imp.sampled(m, 3, 64, seed=2, progress=False))
+    rand = torch.randint(0, m.config.vocab_size, (3, 64), generator=torch.Generator().manual_seed(0))
+
+    def mean_logprob(x):
+        with torch.no_grad():
+            lp = torch.log_softmax(m(x, use_cache=False).logits[:, :-1].float(), -1)
+        return float(lp.gather(-1, x[:, 1:, None]).mean())
+
+    assert mean_logprob(ids) > mean_logprob(rand) + 2.0
+    stats = imp.collect(m, tokens=imp.SEQ, progress=False, inputs="self")
+    assert stats.inputs == "self" and stats.tokens == imp.SEQ
+    with pytest.raises(MoeqError, match="inputs must be one of"):
+        imp.collect(m, tokens=imp.SEQ, progress=False, inputs="text")
+
+
+def test_load_records_and_uses_the_inputs(tiny_ckpt):
+    src = tiny_ckpt("qwen3_moe")
+    own = moeq.load(src, "iq4nl", importance=1024, progress=False)
+    rand = moeq.load(src, "iq4nl", importance=1024, progress=False, importance_inputs="random")
+    assert own.config.quantization_config["importance"]["inputs"] == imp.DEFAULT_INPUTS == "self"
+    assert rand.config.quantization_config["importance"]["inputs"] == "random"
+    w = lambda x: x.model.layers[0].mlp.experts.w13.scale  # noqa: E731
+    assert not torch.equal(w(own), w(rand))  # the statistics differ with the inputs
+    with pytest.raises(MoeqError, match="inputs must be one of"):
+        moeq.load(src, "iq4nl", importance=1024, progress=False, importance_inputs="novels")
+
+
 def test_first_pass_falls_back_to_q4_0_where_q8_0_does_not_fit(tiny_ckpt, monkeypatch):
     assert imp.first_pass(10**9, available=4 * 10**9) == "q8_0"
     assert imp.first_pass(10**9, available=10**9) == "q4_0"  # 1.06 GB > 60% of 1 GB
@@ -78,10 +114,10 @@ def test_first_pass_falls_back_to_q4_0_where_q8_0_does_not_fit(tiny_ckpt, monkey
     n = moeq.readers.weight_count(src)
     assert n > 0
     monkeypatch.setattr(imp, "available_memory", lambda: n)  # a machine where the q8_0 copy would not fit
-    m = moeq.load(src, "iq4nl", importance=512, progress=False)
+    m = moeq.load(src, "iq4nl", importance=512, progress=False, importance_inputs="random")
     assert m.config.quantization_config["importance"]["measured_on"] == "q4_0"
     monkeypatch.undo()
-    big = moeq.load(src, "iq4nl", importance=512, progress=False)
+    big = moeq.load(src, "iq4nl", importance=512, progress=False, importance_inputs="random")
     assert big.config.quantization_config["importance"]["measured_on"] == "q8_0"
     w = lambda x: x.model.layers[0].mlp.experts.w13.scale  # noqa: E731
     assert not torch.equal(w(m), w(big))  # the statistics differ with the first pass
@@ -102,8 +138,10 @@ def test_cli_quantize_with_importance(tiny_ckpt, tmp_path, capsys):
     from moeq.cli import main
 
     src = tiny_ckpt("qwen3_moe")
-    assert main(["quantize", str(src), str(tmp_path / "out"), "--method", "iq4nl", "--importance", "1024"]) == 0
-    assert moeq.load(tmp_path / "out", progress=False).config.quantization_config["importance"]["tokens"] == 1024
+    assert main(["quantize", str(src), str(tmp_path / "out"), "--method", "iq4nl", "--importance", "1024",
+                 "--importance-inputs", "random"]) == 0
+    got = moeq.load(tmp_path / "out", progress=False).config.quantization_config["importance"]
+    assert got["tokens"] == 1024 and got["inputs"] == "random"
     assert main(["quantize", str(src), str(tmp_path / "bad"), "--method", "q4_0", "--importance", "1024"]) == 2
     assert "searches its scales" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
@@ -116,9 +154,9 @@ def test_gguf_export_with_importance_is_the_loaded_model(tiny_ckpt, tmp_path):
 
     src = tiny_ckpt("mixtral")
     out = tmp_path / "m.gguf"
-    summary = export_checkpoint(src, out, "gguf", quant="iq4nl", importance=1024)
+    summary = export_checkpoint(src, out, "gguf", quant="iq4nl", importance=1024, importance_inputs="random")
     assert summary["streamed"]
-    m = moeq.load(src, "iq4nl", importance=1024, progress=False)
+    m = moeq.load(src, "iq4nl", importance=1024, progress=False, importance_inputs="random")
     want = m.model.layers[0].self_attn.v_proj.qweight.dequantize(torch.float32)
     t = next(t for t in gguf.GGUFReader(out).tensors if t.name == "blk.0.attn_v.weight")
     assert t.tensor_type.name == "IQ4_NL"

@@ -161,13 +161,13 @@ def cmd_imatrix(args) -> int:
 
     t0 = time.perf_counter()
     summary = imatrix(args.src, args.out, tokens=args.tokens, seed=args.seed, dtype=_dtype(args.dtype),
-                      progress=not args.json, overwrite=args.overwrite)
+                      progress=not args.json, overwrite=args.overwrite, inputs=args.importance_inputs)
     summary |= {"seconds": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes()}
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"wrote {summary['file']}: {summary['tensors']} tensors, measured on {summary['tokens']} random tokens "
-              f"(seed {summary['seed']}, {summary['measured_on']} first pass) in {summary['seconds']:.1f} s; use it "
+        print(f"wrote {summary['file']}: {summary['tensors']} tensors, measured on {summary['tokens']} tokens "
+              f"({summary['inputs']}, seed {summary['seed']}, {summary['measured_on']} first pass) in {summary['seconds']:.1f} s; use it "
               f"as llama-quantize --imatrix {summary['file']}")
     return 0
 
@@ -187,7 +187,8 @@ def cmd_quantize(args) -> int:
         _warn_slow_search(qcfg, src_bytes)
     t0 = time.perf_counter()
     model = moeq.load(args.src, quant=qcfg, dtype=_dtype(args.dtype), progress=not args.json,
-                      device=args.device, importance=args.importance, bpw=bpw)
+                      device=args.device, importance=args.importance, bpw=bpw,
+                      importance_inputs=args.importance_inputs)
     moeq.save(model, out, overwrite=args.overwrite, source=args.src)
     secs = time.perf_counter() - t0
     info = moeq.inspect(model)
@@ -236,7 +237,8 @@ def _load_for_generation(args):
     import moeq
 
     model = moeq.load(args.model, quant=_quant_config(args) if args.method else None, dtype=_dtype(args.dtype),
-                      progress=False, device=args.device, importance=getattr(args, "importance", 0))
+                      progress=False, device=args.device, importance=getattr(args, "importance", 0),
+                      importance_inputs=args.importance_inputs)
     return model, _tokenizer(args.model)
 
 
@@ -348,7 +350,7 @@ def cmd_export(args) -> int:
     summary = export_checkpoint(args.model, args.out, args.format, quant=quant,
                                 overwrite=args.overwrite, progress=not args.json, requantize=args.requantize,
                                 dtype=_dtype(args.dtype), layout=args.layout, force=args.force,
-                                importance=args.importance, bpw=bpw)
+                                importance=args.importance, bpw=bpw, importance_inputs=args.importance_inputs)
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -383,7 +385,8 @@ def cmd_eval(args) -> int:
     for path in args.model:
         tok = _tokenizer(path)
         models[path] = moeq.load(path, quant=quant, dtype=_dtype(args.dtype), progress=not args.json,
-                                 activations=args.activations, importance=args.importance, bpw=bpw)
+                                 activations=args.activations, importance=args.importance, bpw=bpw,
+                                 importance_inputs=args.importance_inputs)
         check_compatible(models[path], ref, tok, ref_tok)
     # int8 activations change the decode kernels only (at most a few rows per weight): score them decode-shaped
     chunk = args.chunk or (DECODE_CHUNK if args.activations != "default" else None)
@@ -463,6 +466,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from moeq.config import METHODS, MIXES
+    from moeq.importance import DEFAULT_INPUTS, INPUTS
 
     from moeq.version import __version__
 
@@ -485,12 +489,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = sub_parser
 
+    def inputs_arg(sp):
+        sp.add_argument("--importance-inputs", choices=list(INPUTS), default=DEFAULT_INPUTS,
+                        help="what the importance pass runs: self = text the model samples itself from random first "
+                        "tokens (closest to real text; sequential sampling), random = uniformly random token ids "
+                        "(one batched forward)")
+
     def importance_arg(sp):
         sp.add_argument("--importance", type=int, default=0, metavar="TOKENS",
-                        help="data-free importance for methods that search their scales (iq4nl*, nl3*, q4_0-opt): a "
-                        "q4_0 first pass runs TOKENS uniformly random token ids (e.g. 8192) and the --method pass "
-                        "weighs each weight column by its mean squared input, as llama.cpp's imatrix does with "
-                        "calibration text (0: off)")
+                        help="data-free importance for methods that search their scales (iq4nl*, nl3*, q4_0-opt, "
+                        "iq2s*; iq2s measures it unasked): a q8_0 first pass runs TOKENS tokens (e.g. 8192; see "
+                        "--importance-inputs) and the --method pass weighs each weight column by its mean squared "
+                        "input, as llama.cpp's imatrix does with calibration text (0: off)")
+        inputs_arg(sp)
 
     def bpw_arg(sp):
         sp.add_argument("--bpw", type=_float_in(2.0, 16.0), default=None, metavar="BITS",
@@ -550,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     im = sub.add_parser("imatrix", help="llama.cpp's importance matrix without calibration text (for llama-quantize "
                         "--imatrix: its IQ1/IQ2 types need one)",
                         description="Measures llama-imatrix's statistic (each quantized tensor's mean squared input "
-                        "columns, per expert for expert stacks) on uniformly random token ids through a q8_0 first "
-                        "pass (q4_0 when that does not fit in memory), and writes it as the GGUF imatrix file "
+                        "columns, per expert for expert stacks) on text the model samples itself (or uniformly random "
+                        "token ids) through a q8_0 first pass (q4_0 when that does not fit in memory), and writes it as the GGUF imatrix file "
                         "llama-quantize reads.",
                         epilog="examples:\n  moeq imatrix Qwen3-30B-A3B qwen.imatrix.gguf\n  llama-quantize --imatrix "
                         "qwen.imatrix.gguf qwen-bf16.gguf qwen-iq2_s.gguf IQ2_S",
@@ -560,8 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "in the local cache")
     im.add_argument("out", help="the imatrix file to write (e.g. model.imatrix.gguf; written atomically)")
     im.add_argument("--tokens", type=_int_at_least(512), default=8192,
-                    help="random tokens to measure on, a multiple of 512 (default: %(default)s)")
-    im.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default: %(default)s)")
+                    help="tokens to measure on, a multiple of 512 (default: %(default)s)")
+    im.add_argument("--seed", type=int, default=0, help="seed of the random or sampled tokens (default: %(default)s)")
+    inputs_arg(im)
     im.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                     help="compute dtype of the first pass (default: the checkpoint's)")
     im.add_argument("--overwrite", action="store_true", help="replace an imatrix file moeq wrote (nothing else)")

@@ -6,6 +6,7 @@ second half, so every token is scored once with at least ``ctx // 2`` tokens of 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -74,8 +75,15 @@ def logits(model: nn.Module, inp: torch.Tensor, chunk: int | None = None) -> tor
     from transformers import DynamicCache  # noqa: PLC0415
 
     cache = DynamicCache(config=model.config)
-    return torch.cat([model(inp[:, i:i + chunk], past_key_values=cache, use_cache=True).logits
+    return torch.cat([cached_forward(model, inp[:, i:i + chunk], cache).logits
                       for i in range(0, inp.shape[1], chunk)], 1)
+
+
+def cached_forward(model: nn.Module, ids: torch.Tensor, cache):
+    """``model(ids)`` over the KV cache ``cache`` (a transformers ``DynamicCache``, extended in place), under the
+    keyword the installed transformers names it (``cache``; ``past_key_values`` before 5.2x)."""
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return model(ids, **{key: cache}, use_cache=True)
 
 
 @torch.no_grad()

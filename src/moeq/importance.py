@@ -2,13 +2,19 @@
 
 llama.cpp's ``llama-imatrix`` runs calibration text through the model and keeps, for every quantized weight, the mean
 square of each input column (``E[x_j^2]``, per expert for expert weights); the quantizer then weights each column's
-rounding error by it. Most of that signal is structural — a few residual channels carry large activations whatever
-the text, RMSNorm gains scale whole columns, experts see different inputs — so moeq measures the same statistic on
-**uniformly random token ids** (seeded): no text, nothing a user must supply. On the real-weights fixture the
-random-token statistic gives iq4nl the accuracy llama.cpp's IQ4_NL reaches with an imatrix from 100k tokens of text
-(docs/accuracy.md).
+rounding error by it. Much of that signal is structural — a few residual channels carry large activations whatever
+the text, RMSNorm gains scale whole columns, experts see different inputs — but not all of it: at 2 bits the inputs
+matter. moeq measures the statistic with no text supplied, on one of two inputs (``inputs``):
 
-:func:`collect` runs any causal LM (transformers' modules or moeq's quantized ones) on ``tokens`` random ids in
+- ``"self"`` (the default): text the model samples itself (temperature 1, no truncation), each sequence from a seeded
+  uniformly random first token — in the model's own distribution, so its hidden states look like those of real text.
+- ``"random"``: uniformly random token ids (seeded): one batched forward, no sampling.
+
+On the real-weights fixture (docs/accuracy.md) the two are level at 4 bits (iq4nl +importance: both at the accuracy
+llama.cpp's IQ4_NL reaches with an imatrix from 100k tokens of text), while for IQ2_S experts the sampled text
+recovers most of what calibration text gives over random ids.
+
+:func:`collect` runs any causal LM (transformers' modules or moeq's quantized ones) on ``tokens`` such ids in
 sequences of ``seq`` and returns an :class:`Importance`: per linear module ``[K]``, per experts module ``[E, H]``
 for ``w13`` (the tokens routed to each expert) and ``[E, I]`` for ``w2`` (each expert's activation ``act(gate) *
 up``, from its own weights). :func:`moeq.load` with ``importance=`` runs it on a first pass (``q8_0``, streamed like
@@ -31,6 +37,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = 8192
 SEQ = 512
+INPUTS = ("self", "random")
+INPUT_TEXT = {"self": "text the model sampled itself", "random": "uniform random token ids"}
+DEFAULT_INPUTS = "self"
+GEN_BATCH = 16  # sequences sampled together (inputs="self")
 BATCH = 4  # sequences per forward (each experts module dequantizes its gate/up stack once per forward)
 # The model the statistics are measured on when loading. On the real-weights fixture (iq4nl +importance, KL vs bf16):
 # measured on q8_0 0.121, on q4_0 0.129 (each half of the model q8_0 recovers half the gap), so q8_0 unless it does not
@@ -72,6 +82,7 @@ class Importance:
     tokens: int
     seed: int
     measured_on: str = FIRST_PASS  # the first pass's method (what the saved config records)
+    inputs: str = DEFAULT_INPUTS  # what ran through the model (INPUTS)
 
     def linear(self, name: str) -> torch.Tensor | None:
         return self.linears.get(name)
@@ -123,19 +134,55 @@ class _Stats:
         return hook
 
 
+def check_inputs(inputs) -> str:
+    if inputs not in INPUTS:
+        raise MoeqError(f"importance inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
+    return inputs
+
+
+@torch.no_grad()
+def sampled(model: nn.Module, rows: int, seq: int, seed: int, progress: bool = True) -> torch.Tensor:
+    """``[rows, seq]`` token ids the model samples itself (temperature 1, no truncation), each row from a seeded
+    uniformly random first token: text in the model's own distribution, with no text supplied."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    from moeq.eval import cached_forward  # noqa: PLC0415
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in tqdm(range(0, rows, GEN_BATCH), desc="importance: sampling", unit="batch", disable=not progress):
+        b = min(GEN_BATCH, rows - n)
+        ids = torch.randint(0, vocab, (b, 1), generator=g)
+        cache = DynamicCache(config=model.config)
+        step = ids
+        for _ in range(seq - 1):
+            p = torch.softmax(cached_forward(model, step, cache).logits[:, -1].float(), -1)
+            p = torch.where(torch.isfinite(p), p, torch.zeros_like(p))
+            step = torch.multinomial(p + (p.sum(-1, keepdim=True) == 0), 1, generator=g)
+            ids = torch.cat([ids, step], 1)
+        out.append(ids)
+    return torch.cat(out)
+
+
 @torch.no_grad()
 def collect(model: nn.Module, tokens: int = DEFAULT_TOKENS, seed: int = 0, seq: int = SEQ,
-            progress: bool = True) -> Importance:
+            progress: bool = True, inputs: str = DEFAULT_INPUTS) -> Importance:
     """Mean squared input columns of every linear and experts module of ``model`` (moeq's: its experts as
-    :class:`QuantExperts`) over ``tokens`` uniformly random token ids (seeded), in sequences of ``seq``. The output
-    head and routers are measured too (harmless: unused where not quantized)."""
+    :class:`QuantExperts`) over ``tokens`` token ids in sequences of ``seq``: uniformly random ids (``inputs="random"``,
+    seeded) or text the model samples itself (``"self"``: :func:`sampled`). The output head and routers are measured
+    too (harmless: unused where not quantized)."""
     from moeq.nn.experts import QuantExperts  # noqa: PLC0415
     from moeq.nn.linear import QuantLinear  # noqa: PLC0415
 
     if tokens < seq or tokens % seq:
         raise MoeqError(f"importance tokens must be a positive multiple of {seq}, got {tokens}")
+    check_inputs(inputs)
     vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (tokens // seq, seq), generator=torch.Generator().manual_seed(seed))
+    if inputs == "self":
+        ids = sampled(model, tokens // seq, seq, seed, progress)
+    else:
+        ids = torch.randint(0, vocab, (tokens // seq, seq), generator=torch.Generator().manual_seed(seed))
     stats = _Stats()
     hooks = []
     for name, mod in model.named_modules():
@@ -154,5 +201,6 @@ def collect(model: nn.Module, tokens: int = DEFAULT_TOKENS, seed: int = 0, seq: 
         raise MoeqError(f"importance: experts modules {missing[:3]} were not called by the model's forward")
     lin = {k: v / tokens for k, v in stats.linears.items()}
     exp = {k: (a / tokens, b / tokens) for k, (a, b) in stats.experts.items()}
-    log.info("importance: %d linears, %d experts modules over %d random tokens", len(lin), len(exp), tokens)
-    return Importance(lin, exp, tokens, seed)
+    log.info("importance: %d linears, %d experts modules over %d tokens (%s)", len(lin), len(exp), tokens,
+             INPUT_TEXT[inputs])
+    return Importance(lin, exp, tokens, seed, inputs=inputs)

@@ -14,6 +14,7 @@ from torch import nn
 from moeq import readers
 from moeq.config import QuantConfig
 from moeq.errors import MoeqError
+from moeq.importance import DEFAULT_INPUTS
 from moeq.io import hub
 from moeq.nn import finite
 
@@ -23,7 +24,7 @@ AUTO_IMPORTANCE_TOKENS = 8192  # the importance a format that needs it gets when
 
 def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype: torch.dtype | None = None,
          progress: bool = True, device: str | torch.device | None = None, activations: str = "default",
-         importance: int = 0, bpw: float | None = None) -> nn.Module:
+         importance: int = 0, bpw: float | None = None, importance_inputs: str = DEFAULT_INPUTS) -> nn.Module:
     """Load a checkpoint directory (or a Hub id already in the local Hugging Face cache): a moeq checkpoint as
     saved, or a bf16/fp16 one quantized in flight with ``quant`` (a :class:`QuantConfig`, a format config or a method name; None loads it unquantized).
 
@@ -33,10 +34,12 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     ``activations``: the CPU decode kernels' numerics, ``"default"`` or ``"int8"`` (see :func:`moeq.set_activations`).
 
     ``importance`` (tokens, e.g. 8192; 0: off): data-free importance (:mod:`moeq.importance`) — a first streamed pass
-    quantizes the checkpoint with ``q4_0``, runs that many uniformly random token ids through it and keeps each
-    quantized weight's mean squared input columns; the second pass quantizes with ``quant`` weighing its scale
-    search by them. For methods whose quantizer searches (``iq4nl*``, ``nl3*``, ``q4_0-opt``, ``iq2s*``); no text
-    needed. Formats unusable without it (``iq2s``: no zero level) get it at :data:`AUTO_IMPORTANCE_TOKENS` when 0.
+    quantizes the checkpoint with ``q8_0`` (``q4_0`` where that does not fit), runs that many tokens through it and
+    keeps each quantized weight's mean squared input columns; the second pass quantizes with ``quant`` weighing its
+    scale search by them. ``importance_inputs``: ``"self"`` (text the first-pass model samples itself from random
+    first tokens) or ``"random"`` (uniformly random token ids: faster, worse at 2 bits). For methods whose quantizer
+    searches (``iq4nl*``, ``nl3*``, ``q4_0-opt``, ``iq2s*``); no text needed. Formats unusable without it (``iq2s``:
+    no zero level) get it at :data:`AUTO_IMPORTANCE_TOKENS` when 0.
 
     ``bpw`` (bits per quantized weight, e.g. 3.8): data-free bit allocation (:mod:`moeq.allocate`) — the model is
     first loaded unquantized, each tensor's sensitivity measured on random token ids, and each tensor's method chosen
@@ -52,20 +55,11 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
         raise MoeqError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     dev = check_device(device)
     src = hub.resolve(path)
-    allocation = None
-    if bpw is not None:  # the importance first: the allocation then weighs each tensor's error by it too
-        imp = importance_for(src, "iq4nl", dtype, progress, importance) if importance else None
-        quant, allocation = allocate_for(src, quant, dtype, progress, bpw, imp)
-    else:
-        if not importance and needs_importance(quant):
-            importance = AUTO_IMPORTANCE_TOKENS
-            log.info("%s needs column importance: measuring moeq's data-free statistic on %d random tokens first",
-                     quant if isinstance(quant, str) else "this config", importance)
-        imp = importance_for(src, quant, dtype, progress, importance) if importance else None
+    quant, imp, allocation = first_passes(src, quant, dtype, progress, bpw, importance, importance_inputs)
     model = finite.install(readers.read(src, quant, dtype, progress, dev, importance=imp))
     qc = getattr(model.config, "quantization_config", None)
     if imp is not None and isinstance(qc, dict):  # saved with the model: how its scales were chosen
-        qc["importance"] = {"tokens": imp.tokens, "seed": imp.seed, "inputs": "uniform random token ids",
+        qc["importance"] = {"tokens": imp.tokens, "seed": imp.seed, "inputs": imp.inputs,
                             "measured_on": imp.measured_on}
     if allocation is not None and isinstance(qc, dict):  # saved with the model: how its methods were chosen
         qc["allocation"] = allocation
@@ -74,6 +68,22 @@ def load(path: str | os.PathLike, quant: QuantConfig | str | None = None, dtype:
     return model if dev.type == "cpu" else model.to(dev)
 
 
+
+
+def first_passes(src, quant, dtype, progress: bool, bpw: float | None, importance: int, inputs: str):
+    """What a load (or a streamed export) runs before its quantizing pass: the data-free importance when asked for
+    (``importance`` tokens) or when a format of ``quant`` needs it (:data:`AUTO_IMPORTANCE_TOKENS`), and with ``bpw``
+    the bit allocation (weighing each tensor's error by the importance). Returns ``(quant, importance, allocation)``:
+    the config to quantize with, the :class:`moeq.importance.Importance` or None, the allocation's summary or None."""
+    if bpw is not None:  # the importance first: the allocation then weighs each tensor's error by it too
+        imp = importance_for(src, "iq4nl", dtype, progress, importance, inputs) if importance else None
+        quant, allocation = allocate_for(src, quant, dtype, progress, bpw, imp)
+        return quant, imp, allocation
+    if not importance and needs_importance(quant):
+        importance = AUTO_IMPORTANCE_TOKENS
+        log.info("%s needs column importance: measuring moeq's data-free statistic on %d tokens first",
+                 quant if isinstance(quant, str) else "this config", importance)
+    return quant, importance_for(src, quant, dtype, progress, importance, inputs) if importance else None, None
 
 
 def allocate_for(src, quant, dtype, progress: bool, bpw: float, importance=None):
@@ -103,7 +113,7 @@ def needs_importance(quant) -> bool:
     return any(f.needs_importance() for f in (qcfg.default, *(f for _, f in qcfg.all_rules)))
 
 
-def importance_for(src, quant, dtype, progress: bool, tokens: int):
+def importance_for(src, quant, dtype, progress: bool, tokens: int, inputs: str = DEFAULT_INPUTS):
     """The first pass of an ``importance=`` load: :func:`moeq.importance.collect` on the checkpoint loaded with
     :func:`moeq.importance.first_pass`'s method, on the CPU."""
     from moeq import importance as imp  # noqa: PLC0415
@@ -112,10 +122,10 @@ def importance_for(src, quant, dtype, progress: bool, tokens: int):
     if qcfg is None or not any(f.uses_importance() for f in (qcfg.default, *(f for _, f in qcfg.all_rules))):
         raise MoeqError(f"importance needs a method whose quantizer searches its scales (iq4nl, iq4nl-m, nl3, "
                         f"q4_0-opt, ...); {quant!r} has none")
-    return measure(src, dtype, progress, tokens)
+    return measure(src, dtype, progress, tokens, inputs=inputs)
 
 
-def measure(src, dtype, progress: bool, tokens: int, seed: int = 0, then=None):
+def measure(src, dtype, progress: bool, tokens: int, seed: int = 0, then=None, inputs: str = DEFAULT_INPUTS):
     """:func:`moeq.importance.collect` on the checkpoint loaded with :func:`moeq.importance.first_pass`'s method, on
     the CPU; ``then(first_model, importance)`` runs before the first-pass model is freed (the imatrix writer names
     llama.cpp's tensors from it). Returns the importance."""
@@ -123,10 +133,12 @@ def measure(src, dtype, progress: bool, tokens: int, seed: int = 0, then=None):
 
     if type(tokens) is not int or tokens < imp.SEQ or tokens % imp.SEQ:
         raise MoeqError(f"importance: a positive multiple of {imp.SEQ} tokens, got {tokens!r}")
+    imp.check_inputs(inputs)
     method = imp.first_pass(readers.weight_count(src))
     first = finite.install(readers.read(src, method, dtype, progress, torch.device("cpu")))
     try:
-        got = dataclasses.replace(imp.collect(first, tokens, seed=seed, progress=progress), measured_on=method)
+        got = dataclasses.replace(imp.collect(first, tokens, seed=seed, progress=progress, inputs=inputs),
+                                  measured_on=method)
         if then is not None:
             then(first, got)
         return got
@@ -135,7 +147,8 @@ def measure(src, dtype, progress: bool, tokens: int, seed: int = 0, then=None):
 
 
 def imatrix(path: str | os.PathLike, out: str | os.PathLike, tokens: int = 8192, seed: int = 0,
-            dtype: torch.dtype | None = None, progress: bool = True, overwrite: bool = False) -> dict:
+            dtype: torch.dtype | None = None, progress: bool = True, overwrite: bool = False,
+            inputs: str = DEFAULT_INPUTS) -> dict:
     """llama.cpp's importance matrix for a checkpoint, without calibration text: moeq's data-free statistic
     (:mod:`moeq.importance`, ``tokens`` random ids) written as the GGUF imatrix file ``llama-quantize --imatrix``
     reads (:mod:`moeq.export.imatrix`). Returns the writer's summary."""
@@ -145,5 +158,5 @@ def imatrix(path: str | os.PathLike, out: str | os.PathLike, tokens: int = 8192,
     writer.check_target(out, overwrite)  # before the measurement, not after it
     done: dict = {}
     measure(src, dtype, progress, tokens, seed,
-            then=lambda model, imp: done.update(writer.write(model, imp, out, overwrite=overwrite)))
+            then=lambda model, imp: done.update(writer.write(model, imp, out, overwrite=overwrite)), inputs=inputs)
     return done

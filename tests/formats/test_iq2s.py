@@ -45,6 +45,11 @@ def test_decoding_equals_gguf_py_and_native(dtype):
     if native.lib() is not None:
         got = w._dequantize_native(dtype, None)
         assert got is not None and torch.equal(got, want.to(dtype))
+        if dtype == torch.bfloat16:  # the prompt GEMM's tiles (serial, vectorized where AVX512-BF16 is): same bits
+            tile = torch.empty(6, 512, dtype=torch.bfloat16)
+            native.lib().moeq_iq2s_rows_bf16(native.ptr(blocks), native.i64(6), native.i64(512), native.ptr(GRID),
+                                             native.ptr(tile))
+            assert torch.equal(tile.view(torch.int16), want.to(dtype).view(torch.int16))
 
 
 @needs_native
@@ -191,6 +196,7 @@ def test_load_measures_importance_for_iq2s_itself(tiny_ckpt):
     src = tiny_ckpt("qwen3_moe", hidden_size=256, moe_intermediate_size=256)
     m = moeq.load(src, quant="iq2s-m", progress=False)
     assert m.config.quantization_config["importance"]["tokens"] == AUTO_IMPORTANCE_TOKENS
+    assert m.config.quantization_config["importance"]["inputs"] == "self"  # the model's own text: the default
     experts = m.model.layers[0].mlp.experts
     assert isinstance(experts.w13, Iq2sWeight) and isinstance(experts.w2, Iq2sWeight)
     with torch.no_grad():

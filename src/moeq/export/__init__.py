@@ -76,14 +76,15 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
 def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format: str, quant=None,
                       overwrite: bool = False, progress: bool = False, requantize: bool = False, dtype=None,
                       layout: str = "transformers5", check: bool = True, force: bool = False,
-                      importance: int = 0, bpw: float | None = None) -> dict:
+                      importance: int = 0, bpw: float | None = None, importance_inputs: str | None = None) -> dict:
     """Read the checkpoint ``source`` (quantized in flight with ``quant``, as :func:`moeq.load` does) and write it as
     ``format``. A GGUF from any checkpoint read tensor by tensor (bf16/fp16, FP8, MXFP4, GPTQ/AWQ, bitsandbytes,
     compressed-tensors) is **streamed**: each decoder layer is written as soon as it is read and quantized, then
     freed — peak memory is about one layer, whatever the model's size (``peak_rss_bytes`` in the summary); ``check``
     then decodes every exactly-typed tensor back with gguf-py against moeq's values. Anything else is loaded whole,
     then written by :func:`export` (whose ``check`` compares the consumer's logits). ``importance``: as in
-    :func:`moeq.load` (data-free column statistics from a first pass; e.g. an IQ4_NL GGUF from ``iq4nl``); ``bpw``:
+    :func:`moeq.load` (data-free column statistics from a first pass, on ``importance_inputs``; e.g. an IQ4_NL GGUF
+    from ``iq4nl``; formats that need it, ``iq2s``, measure it unasked); ``bpw``:
     as in :func:`moeq.load` (each tensor's method chosen by data-free bit allocation; a GGUF has no exact type for
     ``nl3`` tensors, so a GGUF of a low budget needs ``requantize``)."""
     import resource  # noqa: PLC0415
@@ -92,7 +93,8 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format:
     from moeq.config import QuantConfig  # noqa: PLC0415
     from moeq.io import hub  # noqa: PLC0415
     from moeq.io.writer import check_target  # noqa: PLC0415
-    from moeq.loader import allocate_for, importance_for, load  # noqa: PLC0415
+    from moeq.importance import DEFAULT_INPUTS  # noqa: PLC0415
+    from moeq.loader import first_passes, load  # noqa: PLC0415
 
     if format not in EXPORTERS:
         raise MoeqError(f"unknown export format {format!r}; valid: {sorted(EXPORTERS)}")
@@ -100,16 +102,14 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format:
     if not one_file:
         check_target(Path(out), overwrite, [source])
     path = hub.resolve(source)
+    inputs = importance_inputs or DEFAULT_INPUTS
     if format != "gguf" or not readers.claim(readers.inspect(path, torch.device("cpu"))).streams:
-        model = load(path, quant=quant, dtype=dtype, progress=progress, importance=importance, bpw=bpw)
+        model = load(path, quant=quant, dtype=dtype, progress=progress, importance=importance, bpw=bpw,
+                     importance_inputs=inputs)
         return export(model, out, format, overwrite=overwrite, source=path, progress=progress, requantize=requantize,
                       layout=layout, check=check, force=force)
-    if bpw is not None:  # as moeq.load: the importance first, the allocation weighs errors by it
-        imp = importance_for(path, "iq4nl", dtype, progress, importance) if importance else None
-        quant, _ = allocate_for(path, quant, dtype, progress, bpw, imp)
-    else:
-        quant = QuantConfig.of(quant) if quant is not None else None
-        imp = importance_for(path, quant, dtype, progress, importance) if importance else None
+    quant, imp, _ = first_passes(path, QuantConfig.of(quant) if quant is not None else None, dtype, progress, bpw,
+                                 importance, inputs)
 
     def stream(file: Path) -> dict:
         sink = gguf.Stream(file, path, requantize=requantize, check=check, progress=progress)

@@ -26,7 +26,7 @@ from torch import nn
 from moeq.errors import MoeqError
 from moeq.arch import GGUF_FAMILIES
 from moeq.export.gguf import SUPPORTS, Planner, gguf_lib
-from moeq.importance import SEQ, Importance
+from moeq.importance import INPUT_TEXT, SEQ, Importance
 from moeq.io.writer import umask
 
 log = logging.getLogger(__name__)
@@ -113,8 +113,8 @@ def write(model: nn.Module, imp: Importance, out: str | Path, overwrite: bool = 
     try:
         w = gguf_lib().GGUFWriter(tmp, arch="imatrix")  # general.architecture: not read back by llama.cpp
         w.add_string("general.type", "imatrix")
-        w.add_array("imatrix.datasets", [f"{DATASET}: {imp.tokens} uniformly random token ids, seed {imp.seed}, "
-                                         f"measured on {imp.measured_on}"])
+        w.add_array("imatrix.datasets", [f"{DATASET}: {imp.tokens} tokens of {INPUT_TEXT[imp.inputs]}, seed "
+                                         f"{imp.seed}, measured on {imp.measured_on}"])
         w.add_uint32("imatrix.chunk_count", imp.tokens // SEQ)
         w.add_uint32("imatrix.chunk_size", SEQ)
         for gname in sorted(ents):  # llama-imatrix's order: sorted names
@@ -131,6 +131,6 @@ def write(model: nn.Module, imp: Importance, out: str | Path, overwrite: bool = 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    log.info("imatrix: %d tensors over %d random tokens -> %s", len(ents), imp.tokens, out)
+    log.info("imatrix: %d tensors over %d tokens (%s) -> %s", len(ents), imp.tokens, INPUT_TEXT[imp.inputs], out)
     return {"file": str(out), "tensors": len(ents), "tokens": imp.tokens, "seed": imp.seed,
-            "measured_on": imp.measured_on}
+            "inputs": imp.inputs, "measured_on": imp.measured_on}
