@@ -122,14 +122,15 @@ def accuracy_2bit(name: str = "accuracy_2bit_768.json") -> str:
     d = json.loads((RESULTS / name).read_text())
     lines = [f"{d['tokens']} held-out tokens, ctx {d['ctx']}, bf16 reference PPL {d['ref_ppl']:.2f} "
              f"(`benchmarks/results/{name}`; {d.get('cpu', 'CPU not recorded')}):", "",
-             "| method | experts bits/weight | attention + experts bits/weight | PPL | mean KL vs bf16 | top-1 |",
-             "|---|---|---|---|---|---|"]
+             "| method | experts bits/weight | attention + experts bits/weight | PPL | mean KL vs bf16 | top-1 | "
+             "quantize s (GB/s) |", "|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         if "mean_kl" not in r or r["method"].startswith("floor"):
             continue
-        eb = r.get("experts_bits_per_weight")
+        eb, secs, gbps = r.get("experts_bits_per_weight"), r.get("quantize_seconds"), r.get("quantize_gbps")
+        speed = "" if secs is None else f"{secs:.0f}" + ("" if gbps is None else f" ({gbps:.3f})")
         lines.append(f"| {r['method']} | {'' if eb is None else f'{eb:.2f}'} | {r['bits_per_weight']:.2f} | "
-                     f"{r['ppl']:.2f} | {r['mean_kl']:.3f} | {100 * r['top1']:.1f}% |")
+                     f"{r['ppl']:.2f} | {r['mean_kl']:.3f} | {100 * r['top1']:.1f}% | {speed} |")
     return "\n".join(lines)
 
 
@@ -283,6 +284,7 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
                                                       seconds=True),
           "accuracy_bpw": lambda: accuracy("accuracy_importance.json", BPW_ROWS, seconds=True),
           "accuracy_2bit": accuracy_2bit, "llamacpp_kl": llamacpp_kl,
+          "accuracy_selfsampled": lambda: accuracy_2bit("accuracy_selfsampled_768.json"),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
           "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth, "deepseek_gguf": deepseek_gguf, "expert_pass": expert_pass,
