@@ -6,7 +6,6 @@ second half, so every token is scored once with at least ``ctx // 2`` tokens of 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from moeq.errors import MoeqError
 from moeq.generation import context_length
+from moeq.importance import cached_forward
 
 DECODE_CHUNK = 4  # tokens per decode-shaped forward: every decode kernel takes this many rows (the one-call linear's
 # limit for large weights)
@@ -77,13 +77,6 @@ def logits(model: nn.Module, inp: torch.Tensor, chunk: int | None = None) -> tor
     cache = DynamicCache(config=model.config)
     return torch.cat([cached_forward(model, inp[:, i:i + chunk], cache).logits
                       for i in range(0, inp.shape[1], chunk)], 1)
-
-
-def cached_forward(model: nn.Module, ids: torch.Tensor, cache):
-    """``model(ids)`` over the KV cache ``cache`` (a transformers ``DynamicCache``, extended in place), under the
-    keyword the installed transformers names it (``cache``; ``past_key_values`` before 5.2x)."""
-    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    return model(ids, **{key: cache}, use_cache=True)
 
 
 @torch.no_grad()

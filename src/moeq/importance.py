@@ -24,6 +24,7 @@ it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 
@@ -134,6 +135,13 @@ class _Stats:
         return hook
 
 
+def cached_forward(model: nn.Module, ids: torch.Tensor, cache):
+    """``model(ids)`` over the KV cache ``cache`` (a transformers ``DynamicCache``, extended in place), under the
+    keyword the installed transformers names it (``cache``; ``past_key_values`` before 5.2x)."""
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return model(ids, **{key: cache}, use_cache=True)
+
+
 def check_inputs(inputs) -> str:
     if inputs not in INPUTS:
         raise MoeqError(f"importance inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
@@ -145,8 +153,6 @@ def sampled(model: nn.Module, rows: int, seq: int, seed: int, progress: bool = T
     """``[rows, seq]`` token ids the model samples itself (temperature 1, no truncation), each row from a seeded
     uniformly random first token: text in the model's own distribution, with no text supplied."""
     from transformers import DynamicCache  # noqa: PLC0415
-
-    from moeq.eval import cached_forward  # noqa: PLC0415
 
     vocab = model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(seed)
