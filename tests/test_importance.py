@@ -1,6 +1,7 @@
-"""Data-free importance (moeq.importance): random-token column statistics, measured on a q8_0 first pass (q4_0 where
-that would not fit), weigh the
-scale search of the second — what llama.cpp's importance matrix does with calibration text."""
+"""Data-free importance (moeq.importance): column statistics of text the model samples itself (or of random token
+ids), measured on a q8_0 first pass (q4_0 where that would not fit), weigh the scale search of the second — what
+llama.cpp's importance matrix does with calibration text."""
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +163,28 @@ def test_gguf_export_with_importance_is_the_loaded_model(tiny_ckpt, tmp_path):
     assert t.tensor_type.name == "IQ4_NL"
     got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).float().reshape(want.shape)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_streamed_gguf_export_measures_importance_for_iq2s_itself(tiny_ckpt, tmp_path):
+    """A streamed GGUF export of a format that needs importance (iq2s) measures it unasked, as moeq.load does: the
+    file holds exactly the IQ2_S blocks of the loaded model."""
+    gguf = pytest.importorskip("gguf")
+    from moeq.export import export_checkpoint
+
+    if not iq2s_native():
+        pytest.skip("no C compiler: the iq2s quantizer is native only")
+    src = tiny_ckpt("mixtral", hidden_size=256, intermediate_size=256)
+    out = tmp_path / "m.gguf"
+    assert export_checkpoint(src, out, "gguf", quant="iq2s", importance_inputs="random")["streamed"]
+    m = moeq.load(src, "iq2s", progress=False, importance_inputs="random")
+    assert m.config.quantization_config["importance"]["inputs"] == "random"
+    want = m.model.layers[0].mlp.experts.w2.blocks  # [E, N, K/256 * 82]: ggml's block_iq2_s bytes
+    t = next(t for t in gguf.GGUFReader(out).tensors if t.name == "blk.0.ffn_down_exps.weight")
+    assert t.tensor_type.name == "IQ2_S"
+    assert np.array_equal(np.asarray(t.data).reshape(-1), want.numpy().reshape(-1))
+
+
+def iq2s_native() -> bool:
+    from moeq import native
+
+    return native.lib() is not None
