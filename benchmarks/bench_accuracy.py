@@ -374,16 +374,17 @@ def main():
 
         from moeq.loader import importance_for  # noqa: PLC0415
 
+        bpw_inputs = args.importance_inputs[0]  # the bpw rows' importance: the first of --importance-inputs
         measured, ladder = {}, tuple(args.bpw_ladder or allocate.LADDER)
         sources = (args.importance_tokens,) if args.bpw_importance_only else (
             (0, args.importance_tokens) if args.bpw_importance else (0,))
         for imp in sources:
             t0 = time.perf_counter()  # as moeq.load(bpw=, importance=): statistics first, errors weighted by them
-            stats = importance_for(Path(args.model), "iq4nl", dtype, False, imp) if imp else None
+            stats = importance_for(Path(args.model), "iq4nl", dtype, False, imp, bpw_inputs) if imp else None
             measured[imp] = (allocate.measure(ref, ladder, progress=False, importance=stats), time.perf_counter() - t0)
         for bits in args.bpw:
             for imp, (sens, measure_secs) in measured.items():  # measure_secs: shared by every budget, in each row
-                label = (f"moeq bpw {bits:g}" + (" +importance" if imp else "")
+                label = (f"moeq bpw {bits:g}" + (f" +importance{IMPORTANCE_LABEL[bpw_inputs]}" if imp else "")
                          + (f" (ladder from {ladder[0]})" if ladder != allocate.LADDER else ""))
                 try:
                     cfg, plan = allocate.config(sens, bits), allocate.summary(sens, bits)
@@ -391,13 +392,14 @@ def main():
                     print(f"{label}: {e}", file=sys.stderr)
                     continue
                 t0 = time.perf_counter()
-                m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False, importance=imp)
+                m = moeq.load(args.model, quant=cfg, dtype=dtype, progress=False, importance=imp,
+                              importance_inputs=bpw_inputs)
                 secs = measure_secs + time.perf_counter() - t0
                 info = moeq.inspect(m)
                 models[label] = m
                 rows[label] = {**_row(label, secs, info["quantized_bits_per_weight"], info["quantized_params"]),
                                "allocation": plan, "allocate_seconds": measure_secs} | (
-                    {"importance_tokens": imp} if imp else {})
+                    {"importance_tokens": imp, "importance_inputs": bpw_inputs} if imp else {})
     for name, (nbits, gs) in HQQ_LIB.items():
         if args.only and name not in args.only:
             continue
