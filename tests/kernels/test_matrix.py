@@ -136,7 +136,10 @@ def test_matrix_under_asan(tmp_path):
     env = dict(os.environ, MOEQ_NATIVE_SANITIZE="address", LD_PRELOAD=_libasan(), XDG_CACHE_HOME=str(tmp_path),
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86", PYTHONMALLOC="malloc")
     iq2s = os.path.join(os.path.dirname(os.path.dirname(__file__)), "formats", "test_iq2s.py")
+    prefill = os.path.join(os.path.dirname(__file__), "test_prefill_gemm.py")
     cases = [f"{__file__}::test_matrix[{m}]" for m in ASAN_METHODS] + [iq2s]  # IQ2_S needs K % 256: its own file
+    if native.has_dpbf16():  # the prompt GEMM's IQ2_S tiles (AVX512-BF16 builds only)
+        cases += [f"{prefill}::test_prefill_gemm_matches_float64[avx512-bf16-iq2s]"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", *cases],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
