@@ -159,14 +159,13 @@ def sampled(model: nn.Module, rows: int, seq: int, seed: int, progress: bool = T
     out = []
     for n in tqdm(range(0, rows, GEN_BATCH), desc="importance: sampling", unit="batch", disable=not progress):
         b = min(GEN_BATCH, rows - n)
-        ids = torch.randint(0, vocab, (b, 1), generator=g)
+        ids = torch.empty(b, seq, dtype=torch.int64)
+        ids[:, :1] = torch.randint(0, vocab, (b, 1), generator=g)
         cache = DynamicCache(config=model.config)
-        step = ids
-        for _ in range(seq - 1):
-            p = torch.softmax(cached_forward(model, step, cache).logits[:, -1].float(), -1)
+        for t in range(1, seq):
+            p = torch.softmax(cached_forward(model, ids[:, t - 1:t], cache).logits[:, -1].float(), -1)
             p = torch.where(torch.isfinite(p), p, torch.zeros_like(p))
-            step = torch.multinomial(p + (p.sum(-1, keepdim=True) == 0), 1, generator=g)
-            ids = torch.cat([ids, step], 1)
+            ids[:, t:t + 1] = torch.multinomial(p + (p.sum(-1, keepdim=True) == 0), 1, generator=g)
         out.append(ids)
     return torch.cat(out)
 

@@ -24,6 +24,7 @@ from moeq.arch import get_arch
 from moeq.export import bnb, compressed_tensors, gguf
 from moeq.export import check as check_mod
 from moeq.export.common import quantized_modules
+from moeq.importance import DEFAULT_INPUTS
 from moeq.io.writer import atomic_dir, atomic_file, copy_side_files, model_sources
 from moeq.errors import MoeqError
 
@@ -76,7 +77,7 @@ def export(model: nn.Module, out: str | os.PathLike, format: str, overwrite: boo
 def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format: str, quant=None,
                       overwrite: bool = False, progress: bool = False, requantize: bool = False, dtype=None,
                       layout: str = "transformers5", check: bool = True, force: bool = False,
-                      importance: int = 0, bpw: float | None = None, importance_inputs: str | None = None) -> dict:
+                      importance: int = 0, bpw: float | None = None, importance_inputs: str = DEFAULT_INPUTS) -> dict:
     """Read the checkpoint ``source`` (quantized in flight with ``quant``, as :func:`moeq.load` does) and write it as
     ``format``. A GGUF from any checkpoint read tensor by tensor (bf16/fp16, FP8, MXFP4, GPTQ/AWQ, bitsandbytes,
     compressed-tensors) is **streamed**: each decoder layer is written as soon as it is read and quantized, then
@@ -93,7 +94,6 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format:
     from moeq.config import QuantConfig  # noqa: PLC0415
     from moeq.io import hub  # noqa: PLC0415
     from moeq.io.writer import check_target  # noqa: PLC0415
-    from moeq.importance import DEFAULT_INPUTS  # noqa: PLC0415
     from moeq.loader import first_passes, load  # noqa: PLC0415
 
     if format not in EXPORTERS:
@@ -102,14 +102,13 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, format:
     if not one_file:
         check_target(Path(out), overwrite, [source])
     path = hub.resolve(source)
-    inputs = importance_inputs or DEFAULT_INPUTS
     if format != "gguf" or not readers.claim(readers.inspect(path, torch.device("cpu"))).streams:
         model = load(path, quant=quant, dtype=dtype, progress=progress, importance=importance, bpw=bpw,
-                     importance_inputs=inputs)
+                     importance_inputs=importance_inputs)
         return export(model, out, format, overwrite=overwrite, source=path, progress=progress, requantize=requantize,
                       layout=layout, check=check, force=force)
     quant, imp, _ = first_passes(path, QuantConfig.of(quant) if quant is not None else None, dtype, progress, bpw,
-                                 importance, inputs)
+                                 importance, importance_inputs)
 
     def stream(file: Path) -> dict:
         sink = gguf.Stream(file, path, requantize=requantize, check=check, progress=progress)
