@@ -282,9 +282,16 @@ static int run_il16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y
 #endif
 }
 
+// A decode copy by 16 output rows (one weight: the head), 8 rows of x per pass. Past 8 rows each pass re-reads the
+// copy and is still faster than the row-major row (151936 x 2048 Q8_0 head, Zen 4, 2 threads: 16 rows in two passes
+// against 2.3x the time row-major), and every row's logits keep the bits they have in a batch of up to 8. A pass that
+// declines leaves y to the next row, which writes all of it.
 static int run_rows16(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
     (void)scratch;
-    return e == 0 && moeq_rows16_gemv(w, x, m, y);  // a decode copy by 16 output rows (one weight: the head)
+    if (e != 0) return 0;
+    for (i64 m0 = 0; m0 < m; m0 += 8)
+        if (!moeq_rows16_gemv(w, x + m0 * w->K, m - m0 < 8 ? m - m0 : 8, y + m0 * w->N)) return 0;
+    return 1;
 }
 
 static int run_i8(const moeq_wstack* w, i64 e, const float* x, i64 m, float* y, float* scratch) {
