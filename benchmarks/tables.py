@@ -272,8 +272,8 @@ def deepseek_gguf(name: str = "deepseek_gguf.json") -> str:
     return "\n".join(lines)
 
 
-TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
-          "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2.json"),
+TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp_zen4.json"),
+          "vs_llamacpp_avx2": lambda: vs_llamacpp("vs_llamacpp_avx2_zen4.json"),
           "vs_llamacpp_spr": lambda: vs_llamacpp("vs_llamacpp_spr.json"),
           "vs_llamacpp_spr_tiles": lambda: vs_llamacpp("vs_llamacpp_spr_tiles.json"),
           "vs_llamacpp_spr_ik": lambda: vs_llamacpp("vs_llamacpp_spr_ik.json"),
@@ -286,7 +286,6 @@ TABLES = {"vs_llamacpp": lambda: vs_llamacpp("vs_llamacpp.json"),
           "accuracy_2bit": accuracy_2bit, "llamacpp_kl": llamacpp_kl,
           "accuracy_selfsampled": lambda: accuracy_2bit("accuracy_selfsampled_768.json"),
           "exports": exports, "gpu": gpu, "serve": serve, "serve_zen4": lambda: serve("serve_zen4.json"),
-          "vs_llamacpp_batched": lambda: vs_llamacpp("vs_llamacpp_batched.json"),
           "full_depth": full_depth, "deepseek_gguf": deepseek_gguf, "expert_pass": expert_pass,
           "hub_formats_spr": lambda: vs_llamacpp("mxfp4_fp8_vs_llamacpp_spr.json"),
           "vs_llamacpp_spr_ik_pairings": lambda: vs_llamacpp("vs_llamacpp_spr_ik_pairings.json")}
