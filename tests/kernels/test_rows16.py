@@ -109,7 +109,7 @@ def test_rows16_layout_holds_every_code_and_scale():
 
 def test_rows16_declines_what_it_does_not_hold():
     """More than 8 rows, a NaN in int8 mode, or a layout of the other numerics: the gemv writes nothing and returns
-    0 (the row-major path runs)."""
+    0 (the linear's decode call splits more rows into passes of 8; otherwise the row-major path runs)."""
     mod = _head(RTN(8, 32, grid="signed"), 64, 256, seed=1)
     plans.set_rows16(mod, True)
     stack = plans.linear_plan(mod).stack

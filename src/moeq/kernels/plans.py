@@ -169,7 +169,7 @@ def _build_linear(module) -> LinearPlan | None:
 def _attach_rows16(stack: WStack, keep: list) -> None:
     """Give an 8-bit symmetric weight's description a second copy of its codes interleaved by 16 output rows
     (``native/csrc/rows16.c``), in the layout of the numerics it runs (int8 activations or the default), which its
-    gemv then takes at up to 8 rows: 1.2-3x the row-major kernel on a 151936x2048 Q8_0 head. Costs the weight's
+    gemv then takes 8 rows per pass: 1.2-3x the row-major kernel on a 151936x2048 Q8_0 head. Costs the weight's
     size again in memory, so moeq builds it for the output head only. Nothing is attached where the build has no
     such kernel or the weight is outside its domain."""
     L = native.lib()
