@@ -78,13 +78,15 @@ def test_refuses_what_it_cannot_hold():
 def _kernel(name):
     if name == "moeq_bf12_gemm_amx" and not native.amx_tiles():
         pytest.skip("the tile kernel needs AMX and Linux's permission for the tile data (this machine lacks one)")
+    if name == "moeq_bf12_gemm_bf16" and not native.has_dpbf16():
+        pytest.skip("the tile kernel's AVX512-BF16 form needs AVX512-BF16 (this machine lacks it)")
     if not native.has_simd():
         pytest.skip("the bf12 gemv needs AVX512-BF16 or AVX2")
     return getattr(native.lib(), name)
 
 
-@pytest.mark.parametrize("kernel", ["moeq_bf12_gemv", "moeq_bf12_gemm_amx", "moeq_bf12_matmul"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("kernel", ["moeq_bf12_gemv", "moeq_bf12_gemm_amx", "moeq_bf12_gemm_bf16", "moeq_bf12_matmul"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 12, 16])
 def test_gemv_equals_the_float64_product(m, kernel):
     fn = _kernel(kernel)
     w = _hostile(n=300, k=512, seed=2)  # 300 rows: the tile kernel's last block of 32 is partial
@@ -108,8 +110,9 @@ def test_gemv_equals_the_float64_product(m, kernel):
     assert fn(p.describe(), x.data_ptr(), 0, y.data_ptr()) == 0
 
 
-def test_tile_kernel_gives_each_row_the_same_bits_in_any_batch():
-    fn = _kernel("moeq_bf12_gemm_amx")
+@pytest.mark.parametrize("kernel", ["moeq_bf12_gemm_amx", "moeq_bf12_gemm_bf16"])
+def test_tile_kernel_gives_each_row_the_same_bits_in_any_batch(kernel):
+    fn = _kernel(kernel)
     w = (torch.randn(200, 256, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
     p = bf12.pack(w)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4)).bfloat16()

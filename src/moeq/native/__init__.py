@@ -199,6 +199,7 @@ ABI: dict[str, tuple[type | None, list]] = {
     "moeq_bf12_unpack": (None, [_B12, _I, _I, _P]),
     "moeq_bf12_gemv": (_INT, [_B12, _P, _I, _P]),
     "moeq_bf12_gemm_amx": (_INT, [_B12, _P, _I, _P]),
+    "moeq_bf12_gemm_bf16": (_INT, [_B12, _P, _I, _P]),
     "moeq_bf12_matmul": (_INT, [_B12, _P, _I, _P]),
     # fp8.c
     "moeq_fp8_gemv": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _P]),

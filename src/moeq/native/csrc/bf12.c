@@ -30,7 +30,9 @@
 // Tried for it: 32-row blocks 27-29 ms (64 streams), 256 / 512 columns 24 / 33, no prefetch 34-35, prefetch two
 // units ahead 26, whole rows unpacked into L2 33 (against 23.5-24.6 for this form, measured before the gemv's
 // prefetch).
-enum { BF12_AMX_ROWS = 6, BF12_AMX_KC = 128, BF12_PF = 4096 };
+// Without the tile unit, the AVX512-BF16 form of the tile kernel (moeq_bf12_gemm_bf16) from BF12_BF16_ROWS rows: on
+// Zen 4, 2 threads, 39-40 ms at any 1-16 rows (the dot products' rate) against the gemv's 27 / 43 / 56 at 8 / 12 / 16.
+enum { BF12_AMX_ROWS = 6, BF12_BF16_ROWS = 12, BF12_AMX_KC = 128, BF12_PF = 4096 };
 
 static inline int bf12_pos(int c) {  // c in 0..127 -> byte offset in the unit's lo bytes
     const int d = c & 63;
@@ -369,12 +371,69 @@ int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y
 #endif
 }
 
+// y[M, N] = bf16(x[M, K] @ W^T) with AVX512-BF16 dot products, for M 1..16: the tile kernel's form without the tile
+// unit. Per thread, blocks of 16 rows of W, each 128-column unit unpacked once into an L1-resident bf16 buffer; the M
+// x rows sit in the lanes (bf16 pairs [K/2][16], zero past M, 4 KB per unit, also in L1), each weight pair is
+// broadcast, and one accumulator per weight row holds all 16 x rows for the whole row. Where the gemv unpacks each
+// weight unit once per 4 x rows and reads x from L2 past 4 rows, this reads both from L1 and does the same dot
+// products. fp32 sums in one order per lane: each row's logits have the same bits for any M. Returns 0 (nothing
+// written) without AVX512-BF16 or for K % 128, M outside 1..16; -1 when scratch could not be allocated.
+int moeq_bf12_gemm_bf16(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
+#if defined(__AVX512BF16__)
+    enum { R = 16, KC = BF12_AMX_KC };
+    const i64 N = w->N, K = w->K, NB = (N + R - 1) / R;
+    if (K % KC || M < 1 || M > 16) return 0;
+    uint32_t* xt = (uint32_t*)malloc((size_t)(K / 2) * 16 * sizeof(uint32_t));
+    if (!xt) return -1;
+    for (i64 kp = 0; kp < K / 2; kp++)
+        for (i64 p = 0; p < 16; p++)
+            xt[kp * 16 + p] = p < M ? (uint32_t)x[p * K + 2 * kp] | (uint32_t)x[p * K + 2 * kp + 1] << 16 : 0;
+#pragma omp parallel
+    {
+        uint32_t wt[R * KC / 2];
+        float yt[R * 16];
+#pragma omp for schedule(static)
+        for (i64 b = 0; b < NB; b++) {
+            const i64 n0 = b * R, r = N - n0 < R ? N - n0 : R;
+            if (r < R) memset(wt + r * (KC / 2), 0, sizeof(uint32_t) * (size_t)((R - r) * (KC / 2)));
+            __m512 acc[R];
+            for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+            for (i64 k0 = 0; k0 < K; k0 += KC) {
+                for (i64 i = 0; i < r; i++) {
+                    if (k0 + KC < K)  // the row's next unit on its way (16 rows are 32 streams)
+                        bf12_prefetch_unit(w->lo + (n0 + i) * K, w->hi + (n0 + i) * (K / 2), k0 + KC);
+                    bf12_unpack_cols(w, n0 + i, k0, KC, (uint16_t*)(wt + i * (KC / 2)));
+                }
+                const uint32_t* xk = xt + (k0 / 2) * 16;
+                for (i64 kp = 0; kp < KC / 2; kp++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xk + kp * 16);
+                    for (int i = 0; i < R; i++)
+                        acc[i] = _mm512_dpbf16_ps(acc[i], xv, (__m512bh)_mm512_set1_epi32((int)wt[i * (KC / 2) + kp]));
+                }
+            }
+            for (int i = 0; i < R; i++) _mm512_storeu_ps(yt + i * 16, acc[i]);
+            for (i64 i = 0; i < r; i++)
+                for (i64 m = 0; m < M; m++) y[m * N + n0 + i] = f2bf(yt[i * 16 + m]);
+        }
+    }
+    free(xt);
+    return 1;
+#else
+    (void)w; (void)x; (void)M; (void)y;
+    return 0;
+#endif
+}
+
 // y[M, N] = bf16(x[M, K] @ W^T) by the kernel this CPU runs best at M rows — the tile unit from BF12_AMX_ROWS rows
-// (where it may run), else the gemv — decided here once for the native decode step and the module's forward alike,
+// (where it may run), else the AVX512-BF16 tile form from BF12_BF16_ROWS, else the gemv — decided here once for the native decode step and the module's forward alike,
 // so both give the same bits. Returns 0 (nothing written) where neither runs.
 int moeq_bf12_matmul(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
     if (M >= BF12_AMX_ROWS) {
         const int r = moeq_bf12_gemm_amx(w, x, M, y);
+        if (r) return r > 0;
+    }
+    if (M >= BF12_BF16_ROWS) {
+        const int r = moeq_bf12_gemm_bf16(w, x, M, y);
         if (r) return r > 0;
     }
     return moeq_bf12_gemv(w, x, M, y);

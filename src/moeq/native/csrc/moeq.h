@@ -461,6 +461,7 @@ void moeq_bf12_exceptions(const uint16_t* w, i64 N, i64 K, const uint8_t* base, 
 void moeq_bf12_unpack(const moeq_bf12* w, i64 n0, i64 n1, uint16_t* out);
 int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y);
 int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y);
+int moeq_bf12_gemm_bf16(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y);
 int moeq_bf12_matmul(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y);
 // A whole MoE model for moeq_decode_step (model.c), mirrored by moeq.native.Model: its layers, bf16 token embedding,
 // final RMSNorm, output head (bf16, bf12, or a quantized weight with its moeq_quant_linear_bf16 scratch), RoPE
