@@ -138,8 +138,13 @@ def test_matrix_under_asan(tmp_path):
     iq2s = os.path.join(os.path.dirname(os.path.dirname(__file__)), "formats", "test_iq2s.py")
     prefill = os.path.join(os.path.dirname(__file__), "test_prefill_gemm.py")
     cases = [f"{__file__}::test_matrix[{m}]" for m in ASAN_METHODS] + [iq2s]  # IQ2_S needs K % 256: its own file
-    if native.has_dpbf16():  # the prompt GEMM's IQ2_S tiles (AVX512-BF16 builds only)
-        cases += [f"{prefill}::test_prefill_gemm_matches_float64[avx512-bf16-iq2s]"]
+    here = os.path.dirname(__file__)
+    # the 8-bit head's 16-row copy past 8 rows (passes of 8; a partial last block of rows)
+    cases += [f"{here}/test_rows16.py::test_rows16_equals_the_numerics_and_the_row_major_kernels"
+              "[default-100-576-rtn-int8-signed-g32]"]
+    if native.has_dpbf16():  # the prompt GEMM's IQ2_S tiles, the bf12 head's tile form (AVX512-BF16 builds only)
+        cases += [f"{prefill}::test_prefill_gemm_matches_float64[avx512-bf16-iq2s]",
+                  f"{here}/test_bf12.py::test_gemv_equals_the_float64_product[16-moeq_bf12_gemm_bf16]"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", *cases],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
