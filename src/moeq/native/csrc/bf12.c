@@ -318,6 +318,36 @@ int moeq_bf12_gemv(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y) {
 #endif
 }
 
+#if (defined(MOEQ_AMX) && defined(__AVX512BW__)) || defined(__AVX512BF16__)
+// The tile kernels' shared parts. x [M, K] bf16 as pairs [K/2][16], the M rows in the lanes (zero past M); NULL when
+// memory cannot be had.
+static uint32_t* bf12_x_pairs16(const uint16_t* x, i64 M, i64 K) {
+    uint32_t* xt = (uint32_t*)malloc((size_t)(K / 2) * 16 * sizeof(uint32_t));
+    if (!xt) return NULL;
+    for (i64 kp = 0; kp < K / 2; kp++)
+        for (i64 p = 0; p < 16; p++)
+            xt[kp * 16 + p] = p < M ? (uint32_t)x[p * K + 2 * kp] | (uint32_t)x[p * K + 2 * kp + 1] << 16 : 0;
+    return xt;
+}
+
+// Rows n0 .. n0+r-1 of W, columns k0 .. k0+BF12_AMX_KC-1, into wt [r][BF12_AMX_KC] bf16; each row's next unit on its
+// way (16 rows are 32 streams).
+static inline void bf12_unpack_tile(const moeq_bf12* w, i64 n0, i64 r, i64 k0, uint16_t* wt) {
+    const i64 K = w->K;
+    for (i64 i = 0; i < r; i++) {
+        if (k0 + BF12_AMX_KC < K)
+            bf12_prefetch_unit(w->lo + (n0 + i) * K, w->hi + (n0 + i) * (K / 2), k0 + BF12_AMX_KC);
+        bf12_unpack_cols(w, n0 + i, k0, BF12_AMX_KC, wt + i * BF12_AMX_KC);
+    }
+}
+
+// A tile's sums yt [16 rows of W][16 lanes] to y [M, N], rows n0 .. n0+r-1, rounded once.
+static inline void bf12_store_tile(const float* yt, i64 r, i64 M, i64 N, i64 n0, uint16_t* y) {
+    for (i64 i = 0; i < r; i++)
+        for (i64 m = 0; m < M; m++) y[m * N + n0 + i] = f2bf(yt[i * 16 + m]);
+}
+#endif
+
 // y[M, N] = bf16(x[M, K] @ W^T) on the tile unit, for M 1..16: per thread, tiles of 16 rows of W, each unpacked
 // exactly one unit of 128 columns at a time into an L1-resident bf16 buffer (the weight tile's A operand), times the M
 // x rows (bf16 pairs [K/2][16], zero past M) into one accumulator tile that stays on the unit for the whole row. What
@@ -330,11 +360,8 @@ int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y
     enum { R = 16, KC = BF12_AMX_KC };
     const i64 N = w->N, K = w->K, NB = (N + R - 1) / R;
     if (!moeq_amx_on() || K % KC || M < 1 || M > 16) return 0;
-    uint32_t* xt = (uint32_t*)malloc((size_t)(K / 2) * 16 * sizeof(uint32_t));
+    uint32_t* xt = bf12_x_pairs16(x, M, K);
     if (!xt) return -1;
-    for (i64 kp = 0; kp < K / 2; kp++)
-        for (i64 p = 0; p < 16; p++)
-            xt[kp * 16 + p] = p < M ? (uint32_t)x[p * K + 2 * kp] | (uint32_t)x[p * K + 2 * kp + 1] << 16 : 0;
 #pragma omp parallel
     {
         uint16_t wt[R * KC];
@@ -346,11 +373,7 @@ int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y
             if (r < R) memset(wt + r * KC, 0, sizeof(uint16_t) * (size_t)((R - r) * KC));
             _tile_zero(0);
             for (i64 k0 = 0; k0 < K; k0 += KC) {
-                for (i64 i = 0; i < r; i++) {
-                    if (k0 + KC < K)  // the row's next unit on its way (16 rows are 32 streams)
-                        bf12_prefetch_unit(w->lo + (n0 + i) * K, w->hi + (n0 + i) * (K / 2), k0 + KC);
-                    bf12_unpack_cols(w, n0 + i, k0, KC, wt + i * KC);
-                }
+                bf12_unpack_tile(w, n0, r, k0, wt);
                 for (i64 k = 0; k < KC; k += 32) {
                     _tile_loadd(6, xt + ((k0 + k) / 2) * 16, 64);
                     _tile_loadd(4, wt + k, KC * 2);
@@ -358,8 +381,7 @@ int moeq_bf12_gemm_amx(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* y
                 }
             }
             _tile_stored(0, yt, 64);
-            for (i64 i = 0; i < r; i++)
-                for (i64 m = 0; m < M; m++) y[m * N + n0 + i] = f2bf(yt[i * 16 + m]);
+            bf12_store_tile(yt, r, M, N, n0, y);
         }
         _tile_release();
     }
@@ -383,11 +405,8 @@ int moeq_bf12_gemm_bf16(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* 
     enum { R = 16, KC = BF12_AMX_KC };
     const i64 N = w->N, K = w->K, NB = (N + R - 1) / R;
     if (K % KC || M < 1 || M > 16) return 0;
-    uint32_t* xt = (uint32_t*)malloc((size_t)(K / 2) * 16 * sizeof(uint32_t));
+    uint32_t* xt = bf12_x_pairs16(x, M, K);
     if (!xt) return -1;
-    for (i64 kp = 0; kp < K / 2; kp++)
-        for (i64 p = 0; p < 16; p++)
-            xt[kp * 16 + p] = p < M ? (uint32_t)x[p * K + 2 * kp] | (uint32_t)x[p * K + 2 * kp + 1] << 16 : 0;
 #pragma omp parallel
     {
         uint32_t wt[R * KC / 2];
@@ -399,11 +418,7 @@ int moeq_bf12_gemm_bf16(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* 
             __m512 acc[R];
             for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
             for (i64 k0 = 0; k0 < K; k0 += KC) {
-                for (i64 i = 0; i < r; i++) {
-                    if (k0 + KC < K)  // the row's next unit on its way (16 rows are 32 streams)
-                        bf12_prefetch_unit(w->lo + (n0 + i) * K, w->hi + (n0 + i) * (K / 2), k0 + KC);
-                    bf12_unpack_cols(w, n0 + i, k0, KC, (uint16_t*)(wt + i * (KC / 2)));
-                }
+                bf12_unpack_tile(w, n0, r, k0, (uint16_t*)wt);
                 const uint32_t* xk = xt + (k0 / 2) * 16;
                 for (i64 kp = 0; kp < KC / 2; kp++) {
                     const __m512bh xv = (__m512bh)_mm512_loadu_si512(xk + kp * 16);
@@ -412,8 +427,7 @@ int moeq_bf12_gemm_bf16(const moeq_bf12* w, const uint16_t* x, i64 M, uint16_t* 
                 }
             }
             for (int i = 0; i < R; i++) _mm512_storeu_ps(yt + i * 16, acc[i]);
-            for (i64 i = 0; i < r; i++)
-                for (i64 m = 0; m < M; m++) y[m * N + n0 + i] = f2bf(yt[i * 16 + m]);
+            bf12_store_tile(yt, r, M, N, n0, y);
         }
     }
     free(xt);
